@@ -1,0 +1,153 @@
+"""Runtime tail weights: the tensors the exact layer-L tail forward needs, as the engine sees them.
+
+Notation used for tensor shapes:
+    n   hidden size (2560)            f   shared-expert width (640)
+    hc  hyper-connection streams (4)  r   HC low rank (320)
+    V   vocabulary (248,320)
+
+Runtime weight policies (DESIGN §1 "Runtime weights, not file weights"):
+    strata  BF16 `hc_*` / `output_hc_*` tensors go BF16 -> Q8_0 -> f32 (Strata reads Q8_0 copies of them);
+            norms stay F32 as stored; every other tensor through its own dequantiser.
+    exact   every tensor through its own dequantiser, file values as they are.
+All dequantised values are f32; dequantisation itself is exact in f32 for Q8_0/Q6_K/BF16/F16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from l47 import names
+from l47.errors import L47Error
+
+POLICIES = ("strata", "exact")
+_BF16 = int(gguf.GGMLQuantizationType.BF16)
+_Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+
+
+@dataclass(frozen=True)
+class TailWeights:
+    """Everything downstream of layer L's shared-expert down projection, in f32 on one device."""
+
+    layer: int
+    n: int
+    f: int
+    hc: int
+    r: int
+    V: int
+    eps: float
+    W_sd: torch.Tensor  # [n, f]        runtime value of blk.L.ffn_down_shexp (the edited tensor)
+    onorm: torch.Tensor  # [hc, n]      output_hc_norm, folded (1 + w) as stored
+    odown: torch.Tensor  # [r, hc*n]    output_hc_down rows 0..r-1
+    oup: torch.Tensor  # [hc*n, r]      output_hc_up
+    head: torch.Tensor  # [V, n]        output.weight
+    head_scale: torch.Tensor | None  # [V] or [] — output.scale where present, multiplies the logits
+    target: str  # GGUF name of the edited tensor
+    target_type: int  # its ggml type id (Q8_0 in the seed's file)
+    model_sha256: str
+    policy: str
+    path: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+
+def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
+    """f32 value of tensor `name` as the engine uses it under `policy` (shape = logical GGUF shape)."""
+    if policy not in POLICIES:
+        raise L47Error("weight policy", "policy", f"one of {POLICIES}", repr(policy))
+    from l47 import quants
+
+    info = g.info(name)
+    w = g.tensor(name, device=device)  # f32, its own dequant
+    is_hc = name.startswith("output_hc_") or ".hc_" in name
+    if policy == "strata" and info.ggml_type == _BF16 and is_hc and not names.is_folded_norm(name):
+        # BF16 -> Q8_0 -> f32, as Strata's q8off_ copies (seed §3.1)
+        if w.shape[-1] % 32:
+            raise L47Error(g.path, f"tensor {name}", "row length a multiple of 32 for the Q8_0 runtime copy",
+                           f"shape {tuple(w.shape)}")
+        w = quants.dequantize(quants.quantize(w.reshape(-1, w.shape[-1]), _Q8_0, name), _Q8_0, tuple(w.shape),
+                              name, device=device)
+    return w
+
+
+def _hparam(g, suffix: str, default=None):
+    arch = g.kv.get(names.KEY_ARCH, names.ARCH)
+    k = names.key(suffix, arch)
+    if k in g.kv:
+        return g.kv[k]
+    if default is not None:
+        return default
+    raise L47Error(g.path, f"metadata key {k}", "present", "missing")
+
+
+def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | None = None) -> TailWeights:
+    """Read the tail tensors of GGUF `model` (path or open GGUFFile) under a runtime weight policy.
+
+    The layer is the model's last (`block_count - 1`); any other is refused: only the last layer's FFN write
+    is followed by nothing but the output mixer and the head (seed §3.1), so only there is the forward exact.
+    """
+    from l47.gguf_io import open_gguf
+
+    g = open_gguf(model) if isinstance(model, (str, Path)) else model
+    n_layers = int(_hparam(g, names.K_BLOCK_COUNT))
+    last = n_layers - 1
+    if layer is not None and layer != last:
+        raise L47Error(g.path, "layer", f"the last layer {last} (block_count - 1): the exact tail forward holds "
+                       "only there", str(layer))
+    L = last
+    t_name = names.target_tensor(L)
+    t_info = g.info(t_name)
+    W_sd = runtime_tensor(g, t_name, policy, device)  # [n, f]
+    n, f = W_sd.shape
+    hc = int(_hparam(g, names.K_HC_COUNT))
+    up = runtime_tensor(g, names.OUTPUT_HC_UP.gguf, policy, device)  # [hc*n, r]
+    r = int(_hparam(g, names.K_HC_LOWRANK, up.shape[1]))
+    if tuple(up.shape) != (hc * n, r):
+        raise L47Error(g.path, f"tensor {names.OUTPUT_HC_UP.gguf}", f"shape ({hc * n}, {r})", str(tuple(up.shape)))
+    down = runtime_tensor(g, names.OUTPUT_HC_DOWN.gguf, policy, device)  # [r + extra, hc*n]
+    if down.ndim != 2 or down.shape[1] != hc * n or down.shape[0] < r:
+        raise L47Error(g.path, f"tensor {names.OUTPUT_HC_DOWN.gguf}", f"shape (>= {r}, {hc * n})",
+                       str(tuple(down.shape)))
+    down = down[:r].contiguous()  # rows 0..r-1: some files carry more rows than the low rank
+    onorm = runtime_tensor(g, names.OUTPUT_HC_NORM.gguf, policy, device)
+    if onorm.numel() != hc * n or tuple(onorm.shape) not in {(hc * n,), (hc, n)}:
+        raise L47Error(g.path, f"tensor {names.OUTPUT_HC_NORM.gguf}", f"shape ({hc * n},) or ({hc}, {n}), "
+                       "stream-major", str(tuple(onorm.shape)))
+    onorm = onorm.reshape(hc, n)  # [hc, n] stream-major (c·n + d)
+    head = runtime_tensor(g, names.OUTPUT.gguf, policy, device)  # [V, n]
+    if head.ndim != 2 or head.shape[1] != n:
+        raise L47Error(g.path, f"tensor {names.OUTPUT.gguf}", f"shape (V, {n})", str(tuple(head.shape)))
+    scale = None
+    if names.OUTPUT_SCALE.gguf in g.tensors:
+        scale = runtime_tensor(g, names.OUTPUT_SCALE.gguf, "exact", device).reshape(-1)
+        if scale.numel() not in (1, head.shape[0]):
+            raise L47Error(g.path, f"tensor {names.OUTPUT_SCALE.gguf}", f"1 or {head.shape[0]} values",
+                           str(scale.numel()))
+    eps = float(_hparam(g, names.K_RMS_EPS, 1e-6))
+    return TailWeights(
+        layer=L, n=n, f=f, hc=hc, r=r, V=head.shape[0], eps=eps, W_sd=W_sd, onorm=onorm, odown=down, oup=up,
+        head=head, head_scale=scale, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
+        policy=policy, path=str(g.path),
+    )
+
+
+def check_dump_dims(w: TailWeights, meta, where: str) -> None:
+    """Refuse a dump whose dims or layer do not match the model."""
+    problems = []
+    for k in ("n", "f", "hc", "V", "layer"):
+        got = getattr(meta, k, None)
+        want = getattr(w, k)
+        if got is not None and int(got) != int(want):
+            problems.append(f"{k}: expected {want}, found {got}")
+    if problems:
+        raise L47Error(where, "dump metadata", "dims matching the model " + w.path, "; ".join(problems))
+
+
+def as_f32(x, device) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x), dtype=torch.float32, device=device)
