@@ -1,0 +1,153 @@
+"""`l47 bench`: throughput and peak memory of the exact tail forward at real dims, with synthetic weights.
+
+Figures (all measured in the same run, so ratios are meaningful):
+    bare_mm      one torch.mm of the same shapes as the scoring's head work ([2T, n] × [n, V] for paired), f32
+    single       head_stats over T positions (lse, log p(target), argmax, top-k, entropy), positions/s
+    paired       paired_stats (base + edited, KL, Δlog p, same-top) over T positions, positions/s
+    ratio        paired throughput / bare-mm throughput (same FLOPs: target ≥ 0.6)
+    peak memory  above the resident dequantised head (CPU: VmHWM; CUDA: max_memory_allocated)
+TF32 is disabled on CUDA: every figure is exact f32.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from l47.forward import DEFAULT_CHUNK, head_stats, paired_stats
+from l47.weights import TailWeights
+
+REAL = dict(n=2560, f=640, r=320, hc=4, V=248_320)
+SMALL = dict(n=256, f=64, r=32, hc=4, V=8192)
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    real: bool = True
+    T: int = 1024
+    device: str = "cpu"
+    reps: int = 2
+    what: str = "forward"
+    json_out: Path | None = None
+    chunk: int | None = None
+
+
+def synthetic_weights(dims: dict, device: str, seed: int = 0) -> TailWeights:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n, f, r, hc, V = dims["n"], dims["f"], dims["r"], dims["hc"], dims["V"]
+
+    def rnd(*shape, std):
+        return (torch.randn(*shape, generator=g) * std).to(device)
+
+    return TailWeights(layer=47, n=n, f=f, hc=hc, r=r, V=V, eps=1e-6, W_sd=rnd(n, f, std=f ** -0.5),
+                       onorm=1 + rnd(hc, n, std=0.1), odown=rnd(r, hc * n, std=(hc * n) ** -0.5),
+                       oup=rnd(hc * n, r, std=r ** -0.5), head=rnd(V, n, std=n ** -0.5 * 4), head_scale=None,
+                       target="blk.47.ffn_down_shexp.weight", target_type=8, model_sha256="synthetic",
+                       policy="exact", path="synthetic")
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+    return _rss()
+
+
+def _rss(key="VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak(device) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated()
+    return _rss("VmHWM")
+
+
+def _timed(fn, device, reps):
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_forward(args: BenchArgs) -> dict:
+    dims = REAL if args.real else SMALL
+    dev = args.device
+    if dev.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    chunk = args.chunk or (65536 if dev.startswith("cuda") else DEFAULT_CHUNK)
+    w = synthetic_weights(dims, dev)
+    T, n, V = args.T, dims["n"], dims["V"]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    mix_b = (torch.randn(T, n, generator=g)).to(dev)
+    mix_n = mix_b + 0.01 * torch.randn(T, n, generator=g).to(dev)
+    tgt = torch.randint(0, V, (T,), generator=g)
+    head_bytes = w.head.numel() * 4
+    base_mem = _reset_peak(dev)
+    t_paired = _timed(lambda: paired_stats(mix_b, mix_n, w, tgt, topk=5, chunk=chunk), dev, args.reps)
+    peak_paired = _peak(dev) - base_mem
+    base_mem = _reset_peak(dev)
+    t_single = _timed(lambda: head_stats(mix_b, w, tgt, topk=5, chunk=chunk), dev, args.reps)
+    peak_single = _peak(dev) - base_mem
+    both = torch.cat([mix_b, mix_n], 0)
+    t_mm1 = _timed(lambda: torch.mm(mix_b, w.head.T), dev, args.reps)
+    t_mm2 = _timed(lambda: torch.mm(both, w.head.T), dev, args.reps)
+    flops1 = 2.0 * T * n * V
+    return dict(
+        device=dev if not dev.startswith("cuda") else torch.cuda.get_device_name(),
+        torch=torch.__version__, threads=torch.get_num_threads(), dims=dims, T=T, chunk=chunk,
+        bare_mm_s=t_mm1, bare_mm_gflops=flops1 / t_mm1 / 1e9, bare_mm_pos_s=T / t_mm1,
+        bare_mm_2T_s=t_mm2, bare_mm_2T_pos_s=T / t_mm2,
+        single_s=t_single, single_pos_s=T / t_single, single_ratio_vs_mm=t_mm1 / t_single,
+        paired_s=t_paired, paired_pos_s=T / t_paired, paired_ratio_vs_mm=t_mm2 / t_paired,
+        head_bytes=head_bytes, peak_extra_bytes_paired=peak_paired, peak_extra_bytes_single=peak_single,
+    )
+
+
+def run_bench(args: BenchArgs, console) -> dict:
+    out = {}
+    if args.what in ("forward", "all"):
+        out["forward"] = r = bench_forward(args)
+        console.print(
+            f"[bold]tail forward[/] on {r['device']} ({r['threads']} threads), dims {r['dims']}, T = {r['T']}, "
+            f"chunk {r['chunk']}\n"
+            f"  bare mm \\[T,n]x\\[n,V]   {r['bare_mm_s']:.3f} s  {r['bare_mm_gflops']:.1f} GFLOP/s  "
+            f"{r['bare_mm_pos_s']:.1f} pos/s\n"
+            f"  single scoring        {r['single_s']:.3f} s  {r['single_pos_s']:.1f} pos/s  "
+            f"({r['single_ratio_vs_mm']:.2f}x bare mm)\n"
+            f"  paired scoring        {r['paired_s']:.3f} s  {r['paired_pos_s']:.1f} pos/s  "
+            f"({r['paired_ratio_vs_mm']:.2f}x bare mm of \\[2T,n]x\\[n,V])\n"
+            f"  peak memory above the resident head ({r['head_bytes'] / 2**30:.2f} GiB): paired "
+            f"{r['peak_extra_bytes_paired'] / 2**30:.3f} GiB, single {r['peak_extra_bytes_single'] / 2**30:.3f} GiB",
+            highlight=False)
+    if args.what in ("wfld", "all"):
+        try:
+            from l47.solvers.bench import bench_wfld
+        except ImportError:
+            console.print("[yellow]WFLD benchmark not available in this build[/]")
+        else:
+            out["wfld"] = bench_wfld(args, console)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    return out

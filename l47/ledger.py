@@ -1,0 +1,66 @@
+"""The scoring ledger: every command that scores documents appends (document hash, bundle hash, command).
+
+A JSON-lines file. The blind sign-off refuses a document whose hash is already in it (seed §6.2–6.3: a blind
+document is scored once). Appends are atomic: the whole new file is written to a temp file and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from l47.errors import L47Error
+
+LEDGER_NAME = "ledger.jsonl"
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    doc_sha256: str
+    bundle_sha256: str  # the model/bundle the document was scored against
+    command: str
+    time: float
+
+
+def read_ledger(path: Path) -> list[LedgerEntry]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out.append(LedgerEntry(str(d["doc_sha256"]), str(d["bundle_sha256"]), str(d["command"]),
+                                   float(d["time"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise L47Error(path, f"line {i}", "a JSON object with doc_sha256, bundle_sha256, command, time",
+                           f"{line[:80]!r} ({type(e).__name__})") from None
+    return out
+
+
+def append_ledger(path: Path, entries: list[tuple[str, str]], command: str) -> None:
+    """Append (doc hash, bundle hash) pairs scored by `command`, atomically."""
+    path = Path(path)
+    existing = read_ledger(path)  # refuses a corrupt ledger before touching it
+    now = time.time()
+    lines = [json.dumps(asdict(e)) for e in existing]
+    lines += [json.dumps(asdict(LedgerEntry(d, b, command, now))) for d, b in entries]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ledger.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def scored_before(path: Path, doc_sha256: str) -> list[LedgerEntry]:
+    return [e for e in read_ledger(path) if e.doc_sha256 == doc_sha256]

@@ -1,0 +1,134 @@
+"""`l47 score`: exact per-document and per-position scoring of dumps under a base model and optionally a bundle."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from l47.errors import L47Error
+from l47.forward import HeadStats, PairedStats, score_dump, score_pair
+from l47.weights import TailWeights, check_dump_dims, load_tail_weights, runtime_tensor
+
+
+@dataclass(frozen=True)
+class ScoreArgs:
+    model: Path
+    dumps: tuple[Path, ...]
+    bundle: Path | None = None
+    tsv: Path | None = None
+    policy: str = "strata"
+    device: str = "cpu"
+    ledger: Path | None = None
+
+
+@dataclass(frozen=True)
+class DocScore:
+    doc: str
+    T: int
+    ce: float  # mean −log p(target), nats
+    top1: float  # fraction of positions whose argmax is the target
+    verified: bool
+    ce_new: float | None = None
+    top1_new: float | None = None
+    kld: float | None = None  # mean KL(base ‖ edited)
+    dlogp: float | None = None  # mean Δlog p(target)
+    same_top: float | None = None
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    docs: tuple[DocScore, ...]
+    model_sha256: str
+    bundle_sha256: str | None = None
+    rows: int = 0
+    tsv: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
+    """Runtime value of the edited tensor in a bundle (full GGUF or overlay), same policy as the base."""
+    from l47.gguf_io import open_gguf
+
+    b = open_gguf(bundle_path)
+    if w.target not in b.tensors:
+        raise L47Error(bundle_path, f"tensor {w.target}", "present in the bundle", "missing")
+    W = runtime_tensor(b, w.target, w.policy, device)
+    if tuple(W.shape) != tuple(w.W_sd.shape):
+        raise L47Error(bundle_path, f"tensor {w.target}", f"shape {tuple(w.W_sd.shape)}", str(tuple(W.shape)))
+    return W, b.sha256()
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+TSV_BASE = ("doc", "pos", "target", "logp_target", "argmax")
+TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
+
+
+def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
+    """Score every dump; with a bundle, paired base-vs-edited statistics from one streamed pass each."""
+    from l47.dumps import read_dump
+    from l47.ledger import append_ledger
+
+    w = load_tail_weights(args.model, policy=args.policy, device=args.device)
+    W_new, bsha = (None, None)
+    if args.bundle is not None:
+        W_new, bsha = edited_weight(w, args.bundle, args.device)
+    docs, notes, hashes = [], [], []
+    buf = io.StringIO()
+    tsv = csv.writer(buf, delimiter="\t", lineterminator="\n")
+    tsv.writerow(TSV_PAIRED if W_new is not None else TSV_BASE)
+    rows = 0
+    for p in args.dumps:
+        d = read_dump(p)
+        check_dump_dims(w, d.meta, str(p))
+        if d.meta.model not in (w.model_sha256, "") and not str(d.meta.model).startswith("hf:"):
+            notes.append(f"{p}: dumped from model {d.meta.model[:12]}…, scored under {w.model_sha256[:12]}…")
+        if not d.verified:
+            notes.append(f"{p}: unverified (no ref_logp: the zero-proxy check was not run)")
+        tg = np.asarray(d.tokens[1:])
+        if W_new is None:
+            s: HeadStats = score_dump(w, d)
+            docs.append(DocScore(d.meta.doc_id, s.T, float(-s.logp_target.mean()),
+                                 float((s.argmax == tg).mean()), d.verified))
+            for t in range(s.T):
+                tsv.writerow([d.meta.doc_id, t, int(tg[t]), f"{s.logp_target[t]:.6f}", int(s.argmax[t])])
+        else:
+            ps: PairedStats = score_pair(w, d, W_new)
+            b, n = ps.base, ps.new
+            docs.append(DocScore(d.meta.doc_id, b.T, float(-b.logp_target.mean()), float((b.argmax == tg).mean()),
+                                 d.verified, float(-n.logp_target.mean()), float((n.argmax == tg).mean()),
+                                 float(ps.kld.mean()), float(ps.dlogp.mean()), float(ps.same_top.mean())))
+            for t in range(b.T):
+                tsv.writerow([d.meta.doc_id, t, int(tg[t]), f"{b.logp_target[t]:.6f}", int(b.argmax[t]),
+                              f"{n.logp_target[t]:.6f}", int(n.argmax[t]), f"{ps.kld[t]:.8f}"])
+        rows += docs[-1].T
+        hashes.append(d.sha256)
+        if progress is not None:
+            progress()
+    if args.tsv is not None:
+        _atomic_text(args.tsv, buf.getvalue())
+    if args.ledger is not None:
+        append_ledger(args.ledger, [(h, bsha or w.model_sha256) for h in hashes], "score")
+    return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes))
+
+
+def ppl(ce: float) -> float:
+    return math.exp(ce)
