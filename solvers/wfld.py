@@ -1,0 +1,199 @@
+"""WFLD: weighted least squares with linear constraints over ΔW, closed form through its dual.
+
+Objective minimised (ΔW has the shape of W_sd, [n, f]):
+
+    ½ ρ ‖ΔW‖²_F  +  ½ β tr(ΔWᵀ G ΔW A)            (ridge + background KL pulled back through the exact head)
+
+subject to, linearised at the current ΔW (Gauss–Newton: re-linearise until the exact forward agrees with the
+linear prediction), at every training event e (rejected token r, chosen natural alternatives c, specials s):
+
+    Δ(ℓ_r − ℓ_c) ≤ −margin · scale_phrase      (FTPO margin; ℓ = log p)
+    Δℓ_c        ≥ δ_cho                         (freed mass goes to natural alternatives, seed §6.1)
+    Δℓ_s        ≤ 0                             (no rise of any special token)
+and exactly ΔW·hh_a = 0 at every protected anchor a (ΔW = Y Bᵀ with B an orthonormal basis of the anchors'
+null space; no approximation).
+
+Notation used for tensor shapes:
+    E events   m constraint rows   n hidden   f shared-expert width   f' = dim of the anchors' null space
+
+Solution: with M = ρ I + β A'⊗G (A' = Bᵀ A B), eigen-bases G = U_G diag(γ) U_Gᵀ, A' = U_A diag(α) U_Aᵀ,
+D[a, b] = 1 / (ρ + β γ_a α_b), every constraint is rank one (g_i h_iᵀ) so the dual Gram K = C M⁻¹ Cᵀ [m, m]
+is assembled from per-event-pair kernels without forming M. The dual  min_{μ ≥ 0} ½ μᵀ K μ + μᵀ b'  is solved
+exactly by NNLS on its Cholesky factor; the primal is ΔW = −U_G (D ⊙ Ĝᵀ diag(μ) Ĥ) U_Aᵀ Bᵀ.
+Precision: forward and gradients in f32; every solve step in f64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import scipy.optimize
+import torch
+
+from l47.weights import TailWeights
+from l47.solvers.batch import Batch, EventTerms, event_logps, ys_grad_mix
+from l47.solvers.fisher import fisher_factors
+
+
+@dataclass(frozen=True)
+class WfldConfig:
+    margin: float = 2.0  # nats, times the phrase's scale
+    delta_cho: float = 0.05  # nats; > 0 so freed mass goes to natural alternatives (0 = the seed's v3.1 setting)
+    n_chosen: int = 1
+    ridge: float = 1e-2  # ρ relative to mean(γ)·mean(α)
+    bg_weight: float = 1.0  # β
+    fisher_topk: int = 32
+    gn_iters: int = 6
+    gn_tol: float = 1e-3  # nats: |exact − linear prediction| of every constraint
+    anchor_tol: float = 1e-6  # relative singular-value cut for the anchors' span
+    max_removed: float = 0.95  # an event whose key loses more than this to the protected span is infeasible
+    special_constraints: bool = True
+
+
+@dataclass(frozen=True)
+class WfldResult:
+    dW: torch.Tensor  # [n, f] f32
+    iterations: list[dict]
+    residual: float  # max |exact − linear prediction| at the last step (nats)
+    violation: float  # max constraint violation of the exact forward (nats; 0 = all met)
+    removed: list[float]  # per event: fraction of ‖hh‖² in the protected span
+    infeasible_events: list[int]
+    anchor_rank: int
+    null_dim: int
+    predicted_bg_kl: float  # ½ tr(ΔWᵀ G ΔW A) — the K-FAC prediction of mean background KL
+    fisher_tail_mass: float
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("dW")
+        return d
+
+
+def anchor_basis(anchors: Batch | None, f: int, tol: float, device) -> tuple[torch.Tensor, int]:
+    """Orthonormal basis B [f, f'] of the null space of the anchors' hh (f' = f − rank)."""
+    if anchors is None or anchors.P == 0:
+        return torch.eye(f, dtype=torch.float64, device=device), 0
+    H = anchors.hh.double()  # [Pa, f]
+    _, S, Vh = torch.linalg.svd(H, full_matrices=True)
+    rank = int((S > tol * S[0]).sum()) if S.numel() else 0
+    return Vh[rank:].T.contiguous(), rank  # [f, f − rank]
+
+
+def _constraints(ev: Batch, terms: EventTerms, w: TailWeights, W: torch.Tensor, base: dict, cfg: WfldConfig,
+                 active: list[int]):
+    """Exact constraint values c (change vs base), bounds b and ys-gradients g at W. Rows for active events."""
+    ys, mix = ys_grad_mix(ev, w, W)
+    lp = event_logps(mix, w, terms)
+    rows_val, rows_grad, rows_b, rows_ev, rows_kind = [], [], [], [], []
+
+    def add(value: torch.Tensor, bound: torch.Tensor, kind: str):
+        (g,) = torch.autograd.grad(value.sum(), ys, retain_graph=True)  # [E, n]: position e only feeds row e
+        for e in active:
+            rows_val.append(float(value[e].detach()))
+            rows_grad.append(g[e].double())
+            rows_b.append(float(bound[e]))
+            rows_ev.append(e)
+            rows_kind.append(kind)
+
+    d_rej = lp["rejected"] - base["rejected"]
+    d_cho = lp["chosen"] - base["chosen"]
+    for j in range(terms.chosen.shape[1]):
+        add(d_rej - d_cho[:, j], -cfg.margin * terms.scale, f"margin{j}")
+        add(-d_cho[:, j], torch.full_like(d_rej, -cfg.delta_cho), f"chosen{j}")
+    if cfg.special_constraints:
+        d_sp = lp["special"] - base["special"]
+        for j in range(d_sp.shape[1]):
+            add(d_sp[:, j], torch.zeros_like(d_rej), f"special{j}")
+    return (np.array(rows_val), torch.stack(rows_grad), np.array(rows_b), np.array(rows_ev), rows_kind,
+            {k: v.detach() for k, v in lp.items()})
+
+
+def _dual_gram(Gh: torch.Tensor, Hh: torch.Tensor, D: torch.Tensor, ev_of_row: np.ndarray) -> torch.Tensor:
+    """K_ij = Σ_ab Ĝ_i[a] Ĝ_j[a] D[a,b] Ĥ_e(i)[b] Ĥ_e(j)[b], assembled per event (never forms M)."""
+    m = Gh.shape[0]
+    evs = np.unique(ev_of_row)
+    pos = {e: i for i, e in enumerate(evs)}
+    col = torch.as_tensor([pos[e] for e in ev_of_row], device=Gh.device)
+    He = Hh[torch.as_tensor(evs, device=Gh.device)]  # [E', f']
+    K = torch.zeros(m, m, dtype=torch.float64, device=Gh.device)
+    for e in evs:
+        Te = D @ (He[pos[e]][:, None] * He.T)  # [n, E']: Σ_b D[a,b] ĥ_e[b] ĥ_e'[b]
+        rows = torch.as_tensor(np.nonzero(ev_of_row == e)[0], device=Gh.device)
+        K[rows] = Gh[rows] @ (Gh * Te[:, col].T).T  # [k_e, m]
+    return 0.5 * (K + K.T)
+
+
+def _nnls_dual(K: torch.Tensor, b: np.ndarray) -> np.ndarray:
+    """argmin_{μ ≥ 0} ½ μᵀKμ + μᵀb via NNLS on K = L Lᵀ: ‖Lᵀμ + L⁻¹b‖²."""
+    Kn = K.cpu().numpy()
+    jitter = 1e-12 * max(1.0, float(np.trace(Kn)) / len(Kn))
+    L = np.linalg.cholesky(Kn + jitter * np.eye(len(Kn)))
+    rhs = -np.linalg.solve(L, b)
+    mu, _ = scipy.optimize.nnls(L.T, rhs, maxiter=50 * len(Kn))
+    return mu
+
+
+def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Batch, anchors: Batch | None,
+               cfg: WfldConfig = WfldConfig(), log=None) -> WfldResult:
+    """Minimise ½ρ‖ΔW‖² + ½β tr(ΔWᵀGΔWA) s.t. the FTPO margin, δ_cho and special-token constraints at the events
+    and ΔW·hh = 0 at the anchors (see the module docstring)."""
+    dev = w.device
+    warnings: list[str] = []
+    B, rank = anchor_basis(anchors, w.f, cfg.anchor_tol, dev)  # [f, f']
+    null_dim = B.shape[1]
+    he = events.hh.double()
+    removed = (1.0 - (he @ B).pow(2).sum(1) / he.pow(2).sum(1).clamp_min(1e-300)).tolist()
+    infeasible = [i for i, r in enumerate(removed) if r > cfg.max_removed]
+    active = [i for i in range(events.P) if i not in infeasible]
+    if infeasible:
+        warnings.append(f"{len(infeasible)} event(s) have their key ≥ {cfg.max_removed:.0%} inside the protected "
+                        f"anchors' span and cannot be moved without moving the anchors: {infeasible[:10]}")
+    if rank + events.P > 0.8 * w.f:
+        warnings.append(f"anchors (rank {rank}) + events ({events.P}) approach the shared-expert width f = {w.f}: "
+                        "the null space is nearly exhausted")
+    if not active:
+        raise ValueError("no feasible event: every event key lies in the protected span")
+    W0 = w.W_sd
+    ff = fisher_factors(background, w, W0, K=cfg.fisher_topk, row_basis=B)
+    gam, UG = torch.linalg.eigh(ff.G)
+    alp, UA = torch.linalg.eigh(ff.A)
+    gam, alp = gam.clamp_min(0), alp.clamp_min(0)
+    rho = cfg.ridge * float(gam.mean() * alp.mean()) or cfg.ridge
+    D = 1.0 / (rho + cfg.bg_weight * gam[:, None] * alp[None, :])  # [n, f']
+    Hh = (he @ B) @ UA  # [E, f'] event keys in the A-eigenbasis
+    with torch.no_grad():
+        _, mix0 = ys_grad_mix(events, w, W0)
+    base = {k: v.detach() for k, v in event_logps(mix0, w, terms).items()}
+    Y = torch.zeros(w.n, null_dim, dtype=torch.float64, device=dev)
+    dW = torch.zeros(w.n, w.f, dtype=torch.float32, device=dev)
+    iters, pred, residual = [], None, float("nan")
+    for it in range(cfg.gn_iters + 1):
+        vals, grads, bounds, evr, kinds, _ = _constraints(events, terms, w, W0 + dW, base, cfg, active)
+        residual = float(np.abs(vals - pred).max()) if pred is not None else float("nan")
+        violation = float(np.clip(vals - bounds, 0, None).max())
+        iters.append(dict(iter=it, residual=residual, violation=violation, rows=len(vals)))
+        if log:
+            log(f"WFLD GN step {it}: {len(vals)} constraints, max violation {violation:.4g} nats, "
+                f"linear-prediction residual {residual:.3g}")
+        if it == cfg.gn_iters or (pred is not None and residual < cfg.gn_tol and violation < cfg.gn_tol):
+            break
+        Gh = grads @ UG  # [m, n] gradients in the G-eigenbasis
+        Hrow = Hh[torch.as_tensor(evr, device=dev)]  # [m, f']
+        cur = (Gh * ((UG.T @ Y @ UA) @ Hrow.T).T).sum(1).cpu().numpy()  # ⟨A_i, ΔW_k⟩
+        b_lin = bounds - vals + cur
+        K = _dual_gram(Gh, Hh, D, evr)
+        mu = _nnls_dual(K, b_lin)
+        mu_t = torch.as_tensor(mu, dtype=torch.float64, device=dev)
+        Yhat = -D * (Gh.T @ (mu_t[:, None] * Hrow))  # [n, f']
+        Y_new = UG @ Yhat @ UA.T
+        new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()
+        pred = vals + (new_lin - cur)
+        Y = Y_new
+        dW = (Y @ B.T).to(torch.float32)  # [n, f]
+    Bk = dW.double() @ B  # ΔW in reduced coordinates
+    pred_kl = 0.5 * float(torch.trace(Bk.T @ ff.G @ Bk @ ff.A))
+    return WfldResult(dW=dW, iterations=iters, residual=residual, violation=violation, removed=removed,
+                      infeasible_events=infeasible, anchor_rank=rank, null_dim=null_dim, predicted_bg_kl=pred_kl,
+                      fisher_tail_mass=ff.tail_mass, warnings=warnings)
