@@ -60,7 +60,13 @@ def _mu_and_topk(mix: torch.Tensor, w: TailWeights, K: int, chunk: int = DEFAULT
         o = torch.topk(allv, K, 1).indices
         tv, ti = torch.gather(allv, 1, o), torch.gather(alli, 1, o)
     lse = m + torch.log(s)
-    return mu / s[:, None], ti, torch.exp(tv.double() - lse[:, None])
+    return mu / s[:, None], ti, torch.exp(tv.double() - lse[:, None]), lse
+
+
+def mu_lse(mix: torch.Tensor, w: TailWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """μ = E_p[W_out] [P, n] f64 and log-sum-exp [P] f64 of the full head, one streamed pass (no grad)."""
+    mu, _, _, lse = _mu_and_topk(mix, w, 1)
+    return mu, lse
 
 
 def fisher_factors(bg: Batch, w: TailWeights, W: torch.Tensor, K: int = 32, weights: torch.Tensor | None = None,
@@ -75,7 +81,7 @@ def fisher_factors(bg: Batch, w: TailWeights, W: torch.Tensor, K: int = 32, weig
         h = h @ row_basis  # [P, f']
     A = (h * wt[:, None]).T @ h  # [f', f']
     ys, mix = ys_grad_mix(bg, w, W)
-    mu, ids, p = _mu_and_topk(mix.detach(), w, K)
+    mu, ids, p, _ = _mu_and_topk(mix.detach(), w, K)
     G = torch.zeros(w.n, w.n, dtype=torch.float64, device=bg.hh.device)
     for j in range(K):
         u = (w.head[ids[:, j]].double() - mu) * torch.sqrt(p[:, j] * wt)[:, None]  # [P, n] mix-space score

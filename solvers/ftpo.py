@@ -121,13 +121,13 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
                     dp = float(np.exp(head_stats(dmix, w, dev[1].cpu().numpy()).logp_target).mean())
                     rec["dev_p_rej"], rec["dev_reduction"] = dp, 1 - dp / max(dev_base, 1e-12)
                     score = dp
-                if float(kl) <= cfg.kl_budget and score < best[0]:
+                if rec["kl"] <= cfg.kl_budget and score < best[0]:
                     best = (score, step, dW.detach().clone())
             history.append(rec)
         if progress is not None:
             progress(rec)
-        if float(kl) > 3 * cfg.kl_budget and step > 3 * cfg.eval_every:
-            stopped = f"background KL {float(kl):.4g} > 3x budget"
+        if rec["kl"] > 3 * cfg.kl_budget and step > 3 * cfg.eval_every:
+            stopped = f"background KL {rec['kl']:.4g} > 3x budget"
             break
     if best[1] == 0:
         best = (float("nan"), 0, torch.zeros_like(dW.detach()))

@@ -31,9 +31,11 @@ import numpy as np
 import scipy.optimize
 import torch
 
+from l47.errors import L47Error
 from l47.weights import TailWeights
-from l47.solvers.batch import Batch, EventTerms, event_logps, ys_grad_mix
-from l47.solvers.fisher import fisher_factors
+from l47.forward import logits_at
+from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
+from l47.solvers.fisher import fisher_factors, mu_lse
 
 
 @dataclass(frozen=True)
@@ -83,31 +85,52 @@ def anchor_basis(anchors: Batch | None, f: int, tol: float, device) -> tuple[tor
 
 def _constraints(ev: Batch, terms: EventTerms, w: TailWeights, W: torch.Tensor, base: dict, cfg: WfldConfig,
                  active: list[int]):
-    """Exact constraint values c (change vs base), bounds b and ys-gradients g at W. Rows for active events."""
+    """Exact constraint values c (change vs base), bounds b and ys-gradients g at W, for the active events.
+
+    One streamed head pass gives lse and μ = E_p[W_out]; ∂ℓ_v/∂mix = W_out[v] − μ exactly, so each constraint
+    family needs only a vector-Jacobian product through the output mixer (no further head passes)."""
     ys, mix = ys_grad_mix(ev, w, W)
-    lp = event_logps(mix, w, terms)
+    with torch.no_grad():
+        mu, lse = mu_lse(mix.detach(), w)  # [E, n], [E] f64
+        lp = {k: (logits_at(mix, w, ids).double() - lse[:, None]) for k, ids in
+              (("rejected", terms.rejected[:, None]), ("chosen", terms.chosen), ("special", _per_event(terms)))}
+    lp["rejected"] = lp["rejected"][:, 0]
     rows_val, rows_grad, rows_b, rows_ev, rows_kind = [], [], [], [], []
 
-    def add(value: torch.Tensor, bound: torch.Tensor, kind: str):
-        (g,) = torch.autograd.grad(value.sum(), ys, retain_graph=True)  # [E, n]: position e only feeds row e
+    def add(value: torch.Tensor, bound, u_mix: torch.Tensor, kind: str):
+        (g,) = torch.autograd.grad(mix, ys, grad_outputs=u_mix.to(mix.dtype), retain_graph=True)  # [E, n]
         for e in active:
-            rows_val.append(float(value[e].detach()))
+            rows_val.append(float(value[e]))
             rows_grad.append(g[e].double())
-            rows_b.append(float(bound[e]))
+            rows_b.append(float(bound[e]) if torch.is_tensor(bound) else float(bound))
             rows_ev.append(e)
             rows_kind.append(kind)
 
+    head = w.head.double()
     d_rej = lp["rejected"] - base["rejected"]
     d_cho = lp["chosen"] - base["chosen"]
     for j in range(terms.chosen.shape[1]):
-        add(d_rej - d_cho[:, j], -cfg.margin * terms.scale, f"margin{j}")
-        add(-d_cho[:, j], torch.full_like(d_rej, -cfg.delta_cho), f"chosen{j}")
+        c = terms.chosen[:, j]
+        add(d_rej - d_cho[:, j], -cfg.margin * terms.scale, head[terms.rejected] - head[c], f"margin{j}")
+        add(-d_cho[:, j], -cfg.delta_cho, -(head[c] - mu), f"chosen{j}")
     if cfg.special_constraints:
         d_sp = lp["special"] - base["special"]
         for j in range(d_sp.shape[1]):
-            add(d_sp[:, j], torch.zeros_like(d_rej), f"special{j}")
-    return (np.array(rows_val), torch.stack(rows_grad), np.array(rows_b), np.array(rows_ev), rows_kind,
-            {k: v.detach() for k, v in lp.items()})
+            add(d_sp[:, j], 0.0, head[terms.special[j]][None, :] - mu, f"special{j}")
+    return (np.array(rows_val), torch.stack(rows_grad), np.array(rows_b), np.array(rows_ev), rows_kind, lp)
+
+
+def _per_event(terms: EventTerms) -> torch.Tensor:
+    return terms.special[None, :].expand(terms.rejected.shape[0], -1)
+
+
+def _base_logps(ev: Batch, terms: EventTerms, w: TailWeights) -> dict:
+    with torch.no_grad():
+        mix = batch_mix(ev, w)
+        _, lse = mu_lse(mix, w)
+        return {"rejected": logits_at(mix, w, terms.rejected[:, None])[:, 0].double() - lse,
+                "chosen": logits_at(mix, w, terms.chosen).double() - lse[:, None],
+                "special": logits_at(mix, w, _per_event(terms)).double() - lse[:, None]}
 
 
 def _dual_gram(Gh: torch.Tensor, Hh: torch.Tensor, D: torch.Tensor, ev_of_row: np.ndarray) -> torch.Tensor:
@@ -154,7 +177,8 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         warnings.append(f"anchors (rank {rank}) + events ({events.P}) approach the shared-expert width f = {w.f}: "
                         "the null space is nearly exhausted")
     if not active:
-        raise ValueError("no feasible event: every event key lies in the protected span")
+        raise L47Error("solve", "events", "at least one event whose key is not inside the protected anchors' span",
+                       f"all {events.P} events ≥ {cfg.max_removed:.0%} inside it (infeasible)")
     W0 = w.W_sd
     ff = fisher_factors(background, w, W0, K=cfg.fisher_topk, row_basis=B)
     gam, UG = torch.linalg.eigh(ff.G)
@@ -163,9 +187,7 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
     rho = cfg.ridge * float(gam.mean() * alp.mean()) or cfg.ridge
     D = 1.0 / (rho + cfg.bg_weight * gam[:, None] * alp[None, :])  # [n, f']
     Hh = (he @ B) @ UA  # [E, f'] event keys in the A-eigenbasis
-    with torch.no_grad():
-        _, mix0 = ys_grad_mix(events, w, W0)
-    base = {k: v.detach() for k, v in event_logps(mix0, w, terms).items()}
+    base = _base_logps(events, terms, w)
     Y = torch.zeros(w.n, null_dim, dtype=torch.float64, device=dev)
     dW = torch.zeros(w.n, w.f, dtype=torch.float32, device=dev)
     iters, pred, residual = [], None, float("nan")
