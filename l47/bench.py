@@ -96,7 +96,7 @@ def bench_forward(args: BenchArgs) -> dict:
     if dev.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    chunk = args.chunk or (65536 if dev.startswith("cuda") else DEFAULT_CHUNK)
+    chunk = args.chunk or (16384 if dev.startswith("cuda") else DEFAULT_CHUNK)
     w = synthetic_weights(dims, dev)
     T, n, V = args.T, dims["n"], dims["V"]
     g = torch.Generator(device="cpu").manual_seed(1)

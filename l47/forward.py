@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from l47.weights import TailWeights, as_f32
 
-DEFAULT_CHUNK = 16384  # vocabulary rows per head pass; [T, C] f32 temporaries stay small
+DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [T, C] f32 temporaries stay small
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,6 +128,11 @@ class PairedStats:
     dp: np.ndarray  # [T] f64  p_new(target) − p_base(target)
 
 
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row dot products [T] of two [T, C] tensors as a batched matmul (no [T, C] product temporary)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
+
+
 class _Acc:
     """Running per-row log-sum-exp accumulators over vocabulary chunks (online max rescaling, f64 sums)."""
 
@@ -139,24 +144,27 @@ class _Acc:
         self.top_i = torch.zeros((T, k), dtype=torch.long, device=device)
         self.k = k
 
-    def update(self, z: torch.Tensor, lo: int) -> torch.Tensor:
-        """Fold chunk logits z [T, C] in; returns exp(z − m_new) [T, C] f32 for further sums."""
-        cm = z.max(1).values.double()  # [T]
-        m_new = torch.maximum(self.m, cm)
+    def update(self, z: torch.Tensor, lo: int):
+        """Fold chunk logits z [T, C] in; returns exp(z − m_new) [T, C], the rescale factor [T] f64 and Σ e·z [T]."""
+        cm, ci = z.max(1)  # [T] chunk max and its index (argmax for k = 1 without a top-k kernel)
+        m_new = torch.maximum(self.m, cm.double())
         alpha = torch.exp(self.m - m_new)  # [T] rescale of previous sums (exp(-inf) = 0 on first chunk)
         e = torch.exp(z - m_new.to(z.dtype)[:, None])  # [T, C] f32
         self.s = self.s * alpha + e.sum(1, dtype=torch.float64)
-        self.sz = self.sz * alpha + (e * z).sum(1, dtype=torch.float64)
+        ez = rowdot(e, z)  # [T] Σ e·z without a [T, C] temporary
+        self.sz = self.sz * alpha + ez.double()
         self.m = m_new
-        kk = min(self.k, z.shape[1])
-        v, i = torch.topk(z, kk, dim=1)  # [T, kk]
+        if self.k == 1:
+            v, i = cm[:, None], ci[:, None]
+        else:
+            v, i = torch.topk(z, min(self.k, z.shape[1]), dim=1)  # [T, k]
         allv = torch.cat([self.top_v, v], 1)
         alli = torch.cat([self.top_i, i + lo], 1)
-        # ties: prefer the lower id (stable like argmax over the full row)
-        order = torch.argsort(allv, dim=1, descending=True, stable=True)[:, : self.k]
+        # earlier chunks first in the concatenation and a stable sort: ties keep the lowest id, as argmax does
+        order = torch.sort(allv, dim=1, descending=True, stable=True).indices[:, : self.k]
         self.top_v = torch.gather(allv, 1, order)
         self.top_i = torch.gather(alli, 1, order)
-        return e, alpha
+        return e, alpha, ez
 
     @property
     def lse(self) -> torch.Tensor:
@@ -209,8 +217,9 @@ def paired_stats(mix_base: torch.Tensor, mix_new: torch.Tensor, w: TailWeights, 
     A = torch.zeros(T, dtype=torch.float64, device=both.device)
     for lo in range(0, w.V, chunk):
         z = head_chunk(both, w, lo, min(w.V, lo + chunk))  # [2T, C]
-        e, alpha = acc.update(z, lo)
-        A = A * alpha[:T] + (e[:T] * (z[:T] - z[T:])).sum(1, dtype=torch.float64)
+        e, alpha, ez = acc.update(z, lo)
+        # Σ e_b·(z_b − z_n) = Σ e_b·z_b (from the accumulator) − Σ e_b·z_n: one row-dot, no temporary
+        A = A * alpha[:T] + (ez[:T] - rowdot(e[:T], z[T:])).double()
     sets = {k: logits_at(both, w, torch.as_tensor(list(v), dtype=torch.long)) for k, v in (token_sets or {}).items()}
     zt = _target_logit(both, w, torch.cat([targets, targets]))
     allst = _finish(acc, zt, sets)
