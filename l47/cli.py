@@ -111,6 +111,86 @@ def bench(
     run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out), console)
 
 
+@app.command()
+@guarded
+def dump(
+    inputs: Path = typer.Argument(..., help="JSONL documents ({id, text} or {id, messages}) or a datasets dir"),
+    model: Path = typer.Option(..., "--model", help="qwen4exp GGUF or a local transformers checkpoint dir"),
+    out: Path = typer.Option(..., "--out", help="output directory (one .safetensors dump per document)"),
+    engine: str = typer.Option("hf", help="hf | strata"),
+    layer: Optional[int] = typer.Option(None, help="the last layer (default); any other is refused"),
+    generate: bool = typer.Option(False, help="sample the assistant turn with the model (provenance generated)"),
+    max_new_tokens: int = typer.Option(256),
+    seed: int = typer.Option(0),
+    temperature: float = typer.Option(0.7),
+    top_p: float = typer.Option(0.8),
+    top_k: int = typer.Option(20),
+    ref_logits: bool = typer.Option(False, help="also store the engine's full logits (f16)"),
+    tolerance: Optional[float] = typer.Option(None, help="zero-proxy bar, nats (hf default 1e-4)"),
+    policy: str = typer.Option("strata"),
+    device: str = typer.Option("cpu"),
+):
+    """Run an engine over documents -> dump files, with the zero-proxy check per document."""
+    from l47.dumping import GenerateOptions, run_dump
+
+    gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
+    summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
+                       policy=policy, device=device)
+    if not summary.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+@guarded
+def sets(
+    experiment: Path = typer.Argument(..., help="experiment TOML"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
+    model: Optional[Path] = typer.Option(None, "--model"),
+    device: str = typer.Option("cpu"),
+):
+    """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
+    from l47.sets import run_sets
+
+    raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device))
+
+
+@app.command()
+@guarded
+def solve(
+    experiment: Path = typer.Argument(..., help="experiment TOML"),
+    method: str = typer.Option("wfld", help="wfld | ftpo"),
+    out: Path = typer.Option(..., "--out", help="bundle GGUF to write (never the base)"),
+    model: Optional[Path] = typer.Option(None, "--model"),
+    overlay: bool = typer.Option(False, help="write an overlay (the shared-expert writers) instead of a full GGUF"),
+    sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
+    ledger: Optional[Path] = typer.Option(None),
+    device: str = typer.Option("cpu"),
+):
+    """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
+    from l47.solvers.solve import SolveArgs, run_solve
+    from l47.solvers.report import print_solve
+
+    claims = run_solve(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json),
+                       log=lambda m: console.print(m, highlight=False))
+    print_solve(claims, console)
+
+
+@app.command()
+@guarded
+def transplant(
+    overlay: Path = typer.Argument(..., help="overlay GGUF (a subset of the base's tensors)"),
+    base: Path = typer.Argument(..., help="full base GGUF"),
+    out: Path = typer.Argument(..., help="output GGUF (never the base)"),
+):
+    """Apply an overlay to a full model, verifying byte identity of every other tensor after writing."""
+    from l47.solvers.bundle import transplant as do
+
+    r = do(overlay, base, out)
+    console.print(f"wrote {r['out']}: {r['overlay_tensors']} overlay tensor(s), changed vs base: "
+                  f"{r['changed'] or 'none'}; every other tensor byte-identical; sha256 {r['sha256']}",
+                  highlight=False)
+
+
 def main():  # pragma: no cover
     app()
 

@@ -1,0 +1,269 @@
+"""`l47 solve`: experiment -> sets -> WFLD or FTPO -> re-quantised Q8_0 bundle + solve record.
+
+Every figure it reports is computed by the exact tail forward on the re-quantised weights (as shipped). The
+same command on the same inputs writes the same bytes (no timestamps; deterministic solvers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import l47
+from l47 import record as rec
+from l47.errors import L47Error
+from l47.forward import mix_of_dump, paired_stats, score_pair
+from l47.weights import load_tail_weights
+from l47.solvers.batch import EventTerms, Batch, batch_mix, gather, pick_chosen
+from l47.solvers.bundle import requantize_target, write_bundle, write_overlay
+from l47.solvers.ftpo import FtpoConfig, train_ftpo
+from l47.solvers.wfld import WfldConfig, solve_wfld
+
+METHODS = ("wfld", "ftpo")
+COMMON_KEYS = ("seed", "max_background", "n_chosen", "wfld", "ftpo")
+
+
+@dataclass(frozen=True)
+class SolveArgs:
+    experiment: Path
+    method: str
+    out: Path
+    model: Path | None = None
+    overlay: bool = False
+    device: str = "cpu"
+    ledger: Path | None = None
+    sets_json: Path | None = None  # reuse a `l47 sets --json` report instead of re-mining
+
+
+@dataclass(frozen=True)
+class SolveConfig:
+    method: str
+    seed: int = 0
+    max_background: int = 4000
+    n_chosen: int = 1
+    wfld: WfldConfig = WfldConfig()
+    ftpo: FtpoConfig = FtpoConfig()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _sub(cls, d: dict, where: str):
+    valid = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(d) - valid)
+    if bad:
+        raise L47Error(where, f"key(s) {bad}", f"one of {sorted(valid)}", str(bad))
+    return cls(**d)
+
+
+def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
+    if method not in METHODS:
+        raise L47Error(where, "method", f"one of {METHODS}", repr(method))
+    t = dict(solver_table or {})
+    bad = sorted(set(t) - set(COMMON_KEYS))
+    if bad:
+        raise L47Error(where, f"[solver] key(s) {bad}", f"one of {list(COMMON_KEYS)}", str(bad))
+    return SolveConfig(method=method, seed=int(t.get("seed", 0)), max_background=int(t.get("max_background", 4000)),
+                       n_chosen=int(t.get("n_chosen", 1)), wfld=_sub(WfldConfig, t.get("wfld", {}), where + " [solver.wfld]"),
+                       ftpo=_sub(FtpoConfig, t.get("ftpo", {}), where + " [solver.ftpo]"))
+
+
+def _check_model_hash(d, w, path):
+    m = str(d.meta.model)
+    if len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != w.model_sha256:
+        raise L47Error(path, "meta.model", f"the base model's sha256 {w.model_sha256[:16]}…",
+                       f"{m[:16]}… (dumped from another model)")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _p_by_phrase(phrases, p):
+    out = {}
+    for ph, v in zip(phrases, p):
+        out.setdefault(ph, []).append(float(v))
+    return {k: float(np.mean(v)) for k, v in sorted(out.items())}
+
+
+def run_solve(args: SolveArgs, log=print) -> dict:
+    """Solve and write the bundle and its record. Returns the claims (also stored in the record)."""
+    from l47.dumps import read_dump
+    from l47.experiment import load_experiment
+    from l47.gguf_io import open_gguf
+    from l47.ledger import append_ledger
+    from l47.sets import build_sets, load_sets_report
+
+    exp = load_experiment(args.experiment)
+    model = args.model or exp.model
+    if model is None:
+        raise L47Error(exp.path, "model", "a base GGUF (experiment `model` or --model)", "none")
+    out = Path(args.out)
+    if out.exists() and os.path.samefile(out, model):
+        raise L47Error(out, "--out", "a new file, never the base model", f"the base {model}")
+    cfg = resolve_config(exp.solver, args.method, str(exp.path))
+    base_g = open_gguf(model)
+    w = load_tail_weights(base_g, policy=exp.policy, device=args.device)
+    tinfo = base_g.info(w.target)
+    if tinfo.type_name != "Q8_0":
+        raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
+    report = load_sets_report(args.sets_json) if args.sets_json else build_sets(exp, w, device=args.device)
+    train = [e for e in report.events if e.set == "train"]
+    devs = [e for e in report.events if e.set == "dev"]
+    if not train:
+        raise L47Error(exp.path, "train events", "at least one prefix-exact event with base p ≥ "
+                       f"{exp.thresholds.non_event_p} in accepted train documents", "none")
+    docs = {d.sha256: d for d in report.docs if not d.refused}
+    cache: dict[str, object] = {}
+
+    def dump(sha):
+        if sha not in cache:
+            p = Path(docs[sha].path)
+            d = read_dump(p)
+            _check_model_hash(d, w, p)
+            cache[sha] = d
+        return cache[sha]
+
+    def batch_of(pairs) -> Batch | None:
+        by: dict[str, list[int]] = {}
+        for sha, pos in pairs:
+            by.setdefault(sha, []).append(pos)
+        items = [(dump(s), rows) for s, rows in by.items()]
+        return gather(items, w.device) if items else None
+
+    special = sorted(set(int(v) for v in report.special_ids.values()))
+    scale_of = {p["phrase"]: float(p.get("margin_scale", 1.0)) for p in report.phrases}
+    # events in a fixed order: (doc, pos)
+    train = sorted(train, key=lambda e: (e.doc_sha256, e.pos))
+    ev = batch_of([(e.doc_sha256, e.pos) for e in train])
+    assert ev.doc == tuple(e.doc_sha256 for e in train) and ev.pos == tuple(e.pos for e in train)
+    rejected = torch.as_tensor([e.final for e in train], device=w.device)
+    chosen = pick_chosen(ev, w, rejected, special, k=cfg.n_chosen)
+    terms = EventTerms(rejected=rejected, chosen=chosen, special=torch.as_tensor(special, dtype=torch.long),
+                       scale=torch.as_tensor([scale_of.get(e.phrase, 1.0) for e in train], device=w.device))
+    anchors_rec = sorted([c for c in report.collateral if c.set == "collateral_anchor"],
+                         key=lambda c: (c.doc_sha256, c.pos))
+    an = batch_of([(c.doc_sha256, c.pos) for c in anchors_rec])
+    bg_docs = sorted([d for d in report.docs if d.set == "background" and not d.refused], key=lambda d: d.sha256)
+    if not bg_docs:
+        raise L47Error(exp.path, "sets.background", "at least one accepted background document (plain and chat)",
+                       "none")
+    total = sum(d.T for d in bg_docs)
+    stride = max(1, int(np.ceil(total / cfg.max_background)))
+    bg_pairs = [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)]
+    bg = batch_of(bg_pairs)
+    log(f"solve: {len(train)} train events, {len(devs)} dev events, {0 if an is None else an.P} anchors, "
+        f"{bg.P} background positions (every {stride}th of {total}) from {len(bg_docs)} documents")
+
+    torch.manual_seed(cfg.seed)
+    if cfg.method == "wfld":
+        res = solve_wfld(w, ev, terms, bg, an, cfg.wfld, log=log)
+        dW, method_summary = res.dW, res.summary()
+    else:
+        dev_batch = None
+        if devs:
+            db = batch_of([(e.doc_sha256, e.pos) for e in sorted(devs, key=lambda e: (e.doc_sha256, e.pos))])
+            dev_batch = (db, torch.as_tensor([e.final for e in sorted(devs, key=lambda e: (e.doc_sha256, e.pos))]))
+        res = train_ftpo(w, terms, ev, bg, an, [c.token_id for c in anchors_rec] if an is not None else None,
+                         dev_batch, cfg.ftpo)
+        dW, method_summary = res.dW, res.summary()
+
+    # ---- re-quantise and score as shipped
+    raw_new, W_q = requantize_target(base_g, w.target, w.W_sd + dW)
+    W_q = W_q.to(w.device)
+    dW_q = W_q - w.W_sd
+    claims: dict = {"dW_rel_norm": float(dW_q.norm() / w.W_sd.norm()),
+                    "dW_rel_norm_float": float(dW.norm() / w.W_sd.norm()),
+                    "blocks_changed": int((raw_new.reshape(-1, 34) != np.asarray(base_g.raw(w.target)).reshape(-1, 34))
+                                          .any(1).sum()),
+                    "method": method_summary}
+
+    def p_rej(events, W=None):
+        if not events:
+            return np.zeros(0)
+        b = batch_of([(e.doc_sha256, e.pos) for e in events])
+        with torch.no_grad():
+            z = batch_mix(b, w, W_sd=W)
+        from l47.forward import head_stats
+        st = head_stats(z, w, np.array([e.final for e in events]))
+        return np.exp(st.logp_target)
+
+    for name, evs in (("train", train), ("dev", devs)):
+        if evs:
+            b0, b1 = p_rej(evs), p_rej(evs, W_q)
+            phr = [e.phrase for e in evs]
+            claims[f"{name}_p_rejected"] = {"before": float(b0.mean()), "after": float(b1.mean()),
+                                            "per_phrase_before": _p_by_phrase(phr, b0),
+                                            "per_phrase_after": _p_by_phrase(phr, b1), "n": len(evs)}
+    with torch.no_grad():
+        ps = paired_stats(batch_mix(bg, w), batch_mix(bg, w, W_sd=W_q), w, bg.target.cpu().numpy())
+    claims["background_kl_exact"] = float(ps.kld.mean())
+    if cfg.method == "wfld":
+        claims["background_kl_predicted"] = res.predicted_bg_kl
+    if an is not None:
+        with torch.no_grad():
+            m0, mf, mq = batch_mix(an, w), batch_mix(an, w, dW=dW), batch_mix(an, w, W_sd=W_q)
+        tg = an.target.cpu().numpy()
+        float_move = np.abs(paired_stats(m0, mf, w, tg).dlogp).max()
+        shipped = np.abs(paired_stats(m0, mq, w, tg).dlogp).max()
+        floor = np.abs(paired_stats(mf, mq, w, tg).dlogp).max()
+        claims["anchors"] = {"n": an.P, "max_abs_dlogp_float": float(float_move),
+                             "max_abs_dlogp_shipped": float(shipped), "requant_floor": float(floor)}
+
+    # ---- bundle, record, ledger
+    inputs = [rec.InputFile(str(Path(model)), base_g.sha256(), "model"),
+              rec.InputFile(str(exp.path), _sha_file(exp.path), "experiment")]
+    inputs += [rec.InputFile(d.path, d.sha256, d.set) for d in sorted(report.docs, key=lambda d: (d.set, d.sha256))]
+    prov = {"method": cfg.method, "toolkit_version": l47.__version__, "seed": str(cfg.seed),
+            "base_sha256": base_g.sha256(), "target": w.target, "config": cfg.to_dict(),
+            "dumps": sorted({d.sha256 for d in report.docs if not d.refused})}
+    if args.overlay:
+        write_overlay(model, out, w.target, raw_new, prov)
+    else:
+        write_bundle(model, out, w.target, raw_new, prov)
+    bundle_sha = open_gguf(out).sha256()
+    touched = [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base) for e in train]
+    touched += [rec.Touched(ev.doc[i], ev.pos[i], int(s), rec.TERM_SPECIAL) for i in range(ev.P) for s in special]
+    if cfg.method == "ftpo":
+        touched += [rec.Touched(ev.doc[i], ev.pos[i], int(c), rec.TERM_TETHER) for i in range(ev.P)
+                    for c in chosen[i].tolist()]
+    touched += [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_ANCHOR, c.word, c.p_base) for c in anchors_rec]
+    touched += [rec.Touched(s, p, -1, rec.TERM_BACKGROUND) for s, p in bg_pairs]
+    record = rec.SolveRecord(method=cfg.method, toolkit_version=l47.__version__, seed=cfg.seed,
+                             base_sha256=base_g.sha256(), bundle_sha256=bundle_sha, target=w.target,
+                             config=cfg.to_dict(), inputs=inputs, touched=touched, claims=claims,
+                             notes=list(method_summary.get("warnings", [])) if isinstance(method_summary, dict) else [])
+    _atomic_write_text(rec.record_path_for(out), record.to_json())
+    ledger = args.ledger or out.parent / "ledger.jsonl"
+    append_ledger(ledger, [(s, bundle_sha) for s in sorted({d.sha256 for d in report.docs if not d.refused})],
+                  "solve")
+    claims["bundle"] = str(out)
+    claims["bundle_sha256"] = bundle_sha
+    claims["record"] = str(rec.record_path_for(out))
+    claims["config"] = cfg.to_dict()
+    return claims
+
+
+def _sha_file(p) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(p, "rb") as fh:
+        for b in iter(lambda: fh.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
