@@ -30,7 +30,7 @@ def requantize_target(base_g, target: str, W_new_float: torch.Tensor) -> tuple[n
                        info.type_name)
     if tuple(W_new_float.shape) != tuple(info.shape):
         raise L47Error(base_g.path, f"tensor {target}", f"shape {info.shape}", str(tuple(W_new_float.shape)))
-    raw_old = torch.from_numpy(np.ascontiguousarray(base_g.raw(target)))
+    raw_old = torch.from_numpy(np.array(base_g.raw(target)))  # a writable copy of the mapped bytes
     raw_new = quants.q8_0_requantize(W_new_float.detach().float().cpu(), raw_old)
     W_q = quants.dequantize(raw_new, Q8_0, tuple(info.shape), target)
     return raw_new.numpy(), W_q
