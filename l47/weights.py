@@ -150,4 +150,5 @@ def check_dump_dims(w: TailWeights, meta, where: str) -> None:
 
 
 def as_f32(x, device) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(x), dtype=torch.float32, device=device)
+    """A copy of a (possibly read-only, memory-mapped) array as f32 on `device`."""
+    return torch.tensor(np.asarray(x), dtype=torch.float32, device=device)
