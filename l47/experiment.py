@@ -1,0 +1,276 @@
+"""The experiment file (TOML, docs/EXPERIMENT.md): named sets of dump files, the banned phrases, the collateral
+words, every threshold with the seed's default, and the solver's settings — parsed into frozen dataclasses.
+
+Rules enforced on load (DESIGN §3.2, §4): unknown keys are rejected with the list of valid ones; paths are
+relative to the TOML file's folder (glob patterns allowed); every listed dump must exist (one error lists all
+missing files); a document belongs to one set only; train/dev/heldout come either from explicit lists or from a
+`[split]` table (a seeded split by document of a pool), not both; a phrase has non-blank text.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from l47.errors import L47Error
+
+SPLIT_SETS = ("train", "dev", "heldout")
+SETS = SPLIT_SETS + ("collateral_anchor", "collateral_eval", "background", "chat_heldout", "blind")
+KLD = "kld"  # [sets.kld] domain = [paths]  →  set name "kld.<domain>"
+VOCAB_SOURCES = ("auto", "gguf", "qwen36")
+POLICIES = ("strata", "exact")
+TOP_KEYS = ("name", "model", "vocab", "policy", "sets", "split", "phrases", "collateral", "thresholds", "solver")
+SPLIT_KEYS = ("pool", "seed", "train", "dev", "heldout")
+PHRASE_KEYS = ("text", "margin_scale")
+COLLATERAL_KEYS = ("words",)
+DEFAULT_FRACTIONS = {"train": 0.55, "dev": 0.10, "heldout": 0.35}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every bar and selection threshold; defaults are the seed's numbers (DESIGN §4, §6)."""
+
+    non_event_p: float = 1e-2  # base p(final token) below this: a non-event (seed §3 (2))
+    heldout_frac: float = 0.30  # ≥ this share of events held out, by document (seed §5 (c))
+    min_heldout_per_phrase: int = 3  # held-out events per phrase, else a warning (seed §6.3)
+    collateral_min_total: int = 200  # collateral occurrences in collateral_eval (seed §5 (d))
+    collateral_min_per_word: int = 10  # ... per word (seed §6: 16–32 per word were scored)
+    slop_reduction: float = 0.50  # held-out mean p(rejected) reduced by ≥ this (seed §6.3: −54 % blind)
+    collateral_word_mean: float = -0.05  # per-word mean Δlog p ≥ this, nats (seed §6 rec. 1)
+    collateral_frac_below: float = 0.10  # ≤ this share of collateral occurrences ...
+    collateral_below: float = -0.1  # ... below this Δlog p, nats
+    kld_max: float = 0.01  # KLD vs base per domain (seed §3.1, §5 (e))
+    chat_ordinary_dlogp: float = -0.01  # (g) ordinary-token mean Δlog p on the held-out chat document
+    chat_kld: float = 0.005  # (g) its KLD
+    im_end_dlogp: float = -0.005  # (f) mean Δlog p(<|im_end|>) at real turn ends
+    blind_residual_factor: float = 1.5  # blind slop residual ratio ≤ this × the dev report's (seed §6.2)
+    zero_proxy_tol: float = 1e-3  # |Δ log p| engine vs tail forward, relative (seed §3.1 precision)
+    ce_proxy_frac: float = 0.5  # natural text: base CE ≤ this · ln V (a proxy sits near ln V, seed §3 (1))
+    salad_ngram: int = 4  # word n-gram length of the repetition guard
+    salad_max_ngram_repeat: float = 0.4  # ≤ this share of word n-grams repeating earlier ones (seed §5.2 salad: ~0.9)
+    salad_max_dup_lines: float = 0.4  # ≤ this share of near-duplicate lines
+    sampler_max_violation_frac: float = 0.01  # generated tokens outside the recorded sampler's support
+    sampler_tol: float = 0.01  # nats of slack for engine-vs-forward rounding in that check
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Phrase:
+    text: str
+    margin_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    pool: tuple[Path, ...]
+    seed: int
+    fractions: dict[str, float]  # train / dev / heldout, summing to 1
+
+
+@dataclass(frozen=True)
+class Experiment:
+    path: Path
+    name: str
+    model: Path | None  # base GGUF (may also be given on the command line)
+    vocab: str  # auto (GGUF metadata, else Qwen3.6 tiktoken) | gguf | qwen36
+    policy: str  # runtime weight policy of the tail forward
+    sets: dict[str, tuple[Path, ...]]  # set name ("train", ..., "kld.<domain>") → dump paths
+    split: SplitSpec | None
+    phrases: tuple[Phrase, ...]
+    collateral_words: tuple[str, ...]  # empty: the phrases' final tokens
+    thresholds: Thresholds
+    solver: dict = field(default_factory=dict)  # free table, validated by the solver
+
+    def documents(self) -> list[tuple[str, Path]]:
+        """(set name, path) of every listed document; the split pool's as set "pool"."""
+        out = [(s, p) for s, ps in self.sets.items() for p in ps]
+        if self.split is not None:
+            out += [("pool", p) for p in self.split.pool]
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _unknown(where: Path, table: str, d: dict, valid) -> None:
+    bad = sorted(set(d) - set(valid))
+    if bad:
+        raise L47Error(where, f"{table} key {bad[0]!r}" if table else f"key {bad[0]!r}",
+                       f"one of {list(valid)}", f"unknown key(s) {bad}")
+
+
+def _num(where: Path, name: str, v: Any, kind: type, lo: float | None = None, hi: float | None = None):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+    if not ok or (kind is float and not math.isfinite(v)):
+        raise L47Error(where, name, "an integer" if kind is int else "a finite number", f"{v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"a value in [{lo}, {hi}]" if hi is not None else f"a value >= {lo}"
+        raise L47Error(where, name, rng, f"{v!r}")
+    return kind(v)
+
+
+def _paths(where: Path, name: str, v: Any, base: Path, missing: list[str]) -> tuple[Path, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise L47Error(where, name, "a list of dump paths (strings)", f"{v!r:.80}")
+    out: list[Path] = []
+    for s in v:
+        p = Path(s).expanduser()
+        p = p if p.is_absolute() else base / p
+        if glob.has_magic(str(p)):
+            hits = sorted(Path(h) for h in glob.glob(str(p)))
+            if not hits:
+                missing.append(f"{name}: {s} (pattern matches no file)")
+            out += hits
+        elif not p.is_file():
+            missing.append(f"{name}: {p}")
+            out.append(p)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def parse_thresholds(d: dict, where: Path | str = "thresholds") -> Thresholds:
+    where = Path(where)
+    valid = [f.name for f in fields(Thresholds)]
+    _unknown(where, "[thresholds]", d, valid)
+    kw = {}
+    for f in fields(Thresholds):
+        if f.name in d:
+            kind = int if isinstance(f.default, int) else float
+            kw[f.name] = _num(where, f"thresholds.{f.name}", d[f.name], kind)
+    return Thresholds(**kw)
+
+
+def load_experiment(path, check_files: bool = True) -> Experiment:
+    """Parse and validate an experiment TOML (docs/EXPERIMENT.md)."""
+    path = Path(path)
+    if not path.is_file():
+        raise L47Error(path, "file", "an experiment TOML file", "missing")
+    try:
+        d = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise L47Error(path, "TOML", "valid TOML", str(e)) from None
+    except UnicodeDecodeError as e:
+        raise L47Error(path, "encoding", "UTF-8 text", str(e)) from None
+    _unknown(path, "", d, TOP_KEYS)
+    base = path.resolve().parent
+    missing: list[str] = []
+
+    name = d.get("name", path.stem)
+    if not isinstance(name, str):
+        raise L47Error(path, "name", "a string", repr(name))
+    model = d.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise L47Error(path, "model", "a path to the base GGUF", repr(model))
+        model = Path(model).expanduser()
+        model = model if model.is_absolute() else base / model
+        if check_files and not model.is_file():
+            missing.append(f"model: {model}")
+    vocab = d.get("vocab", "auto")
+    if vocab not in VOCAB_SOURCES:
+        raise L47Error(path, "vocab", f"one of {list(VOCAB_SOURCES)}", repr(vocab))
+    policy = d.get("policy", "strata")
+    if policy not in POLICIES:
+        raise L47Error(path, "policy", f"one of {list(POLICIES)}", repr(policy))
+
+    # --- sets
+    sets_d = d.get("sets", {})
+    if not isinstance(sets_d, dict):
+        raise L47Error(path, "sets", "a table of set name = [paths]", repr(sets_d)[:80])
+    _unknown(path, "[sets]", sets_d, SETS + (KLD,))
+    sets: dict[str, tuple[Path, ...]] = {}
+    for s in SETS:
+        if s in sets_d:
+            sets[s] = _paths(path, f"sets.{s}", sets_d[s], base, missing)
+    kld = sets_d.get(KLD, {})
+    if not isinstance(kld, dict):
+        raise L47Error(path, f"sets.{KLD}", "a table of domain = [paths] (e.g. kld.ops_tools = [...])", repr(kld)[:80])
+    for dom, v in kld.items():
+        sets[f"{KLD}.{dom}"] = _paths(path, f"sets.{KLD}.{dom}", v, base, missing)
+
+    # --- split
+    split = None
+    if "split" in d:
+        sd = d["split"]
+        if not isinstance(sd, dict):
+            raise L47Error(path, "split", "a table {pool, seed, train, dev, heldout}", repr(sd)[:80])
+        _unknown(path, "[split]", sd, SPLIT_KEYS)
+        given = [s for s in SPLIT_SETS if s in sets]
+        if given:
+            raise L47Error(path, "split", "either a [split] pool or explicit train/dev/heldout lists, not both",
+                           f"[split] and sets.{given[0]}")
+        if "pool" not in sd:
+            raise L47Error(path, "split.pool", "a list of dump paths to split by document", "missing")
+        pool = _paths(path, "split.pool", sd["pool"], base, missing)
+        seed = _num(path, "split.seed", sd.get("seed", 0), int, 0)
+        fr = {s: _num(path, f"split.{s}", sd.get(s, DEFAULT_FRACTIONS[s]), float, 0.0, 1.0) for s in SPLIT_SETS}
+        if abs(sum(fr.values()) - 1.0) > 1e-6:
+            raise L47Error(path, "split fractions", "train + dev + heldout = 1", f"{sum(fr.values()):g}")
+        split = SplitSpec(pool, seed, fr)
+
+    # --- phrases
+    ph = d.get("phrases", [])
+    if not isinstance(ph, list):
+        raise L47Error(path, "phrases", "an array of tables [[phrases]] text = \"...\"", repr(ph)[:80])
+    phrases: list[Phrase] = []
+    for i, p in enumerate(ph):
+        if isinstance(p, str):
+            p = {"text": p}
+        if not isinstance(p, dict):
+            raise L47Error(path, f"phrases[{i}]", "a table with text (and margin_scale)", repr(p)[:80])
+        _unknown(path, f"[[phrases]] #{i + 1}", p, PHRASE_KEYS)
+        text = p.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise L47Error(path, f"phrases[{i}].text", "a phrase with at least one token (non-blank text)",
+                           repr(text))
+        scale = _num(path, f"phrases[{i}].margin_scale", p.get("margin_scale", 1.0), float, 0.0)
+        phrases.append(Phrase(text, scale))
+    seen: dict[str, int] = {}
+    for i, p in enumerate(phrases):
+        k = p.text.strip().lower()
+        if k in seen:
+            raise L47Error(path, f"phrases[{i}].text", "each phrase once (variants are generated)",
+                           f"{p.text!r} again (phrases[{seen[k]}])")
+        seen[k] = i
+
+    # --- collateral
+    col = d.get("collateral", {})
+    if not isinstance(col, dict):
+        raise L47Error(path, "collateral", "a table with words = [...]", repr(col)[:80])
+    _unknown(path, "[collateral]", col, COLLATERAL_KEYS)
+    words = col.get("words", [])
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+        raise L47Error(path, "collateral.words", "a list of non-empty token strings, e.g. [\" than\", \" what\"]",
+                       repr(words)[:80])
+
+    thresholds = parse_thresholds(d.get("thresholds", {}), path)
+    solver = d.get("solver", {})
+    if not isinstance(solver, dict):
+        raise L47Error(path, "solver", "a table", repr(solver)[:80])
+
+    if check_files and missing:
+        raise L47Error(path, "dump files", "existing files", f"{len(missing)} missing: " + "; ".join(missing))
+
+    # --- one set per document
+    where_is: dict[Path, str] = {}
+    pool_paths = split.pool if split else ()
+    for s, ps in list(sets.items()) + [("split.pool", pool_paths)]:
+        for p in ps:
+            k = p.resolve()
+            if k in where_is:
+                raise L47Error(path, f"sets.{s}" if s != "split.pool" else s,
+                               "each document in one set only", f"{p} also in {where_is[k]}")
+            where_is[k] = f"sets.{s}" if s != "split.pool" else s
+
+    return Experiment(path=path, name=name, model=model, vocab=vocab, policy=policy, sets=sets, split=split,
+                      phrases=tuple(phrases), collateral_words=tuple(words), thresholds=thresholds,
+                      solver=dict(solver))

@@ -1,0 +1,552 @@
+"""`l47 sets`: events, splits, collateral, chat coverage and refusals for an experiment file (DESIGN §3.2, §4).
+
+For every listed dump (each scored once with the exact tail forward): prefix-exact events of the banned phrases with the base p(final token) from the exact
+tail forward (`score_dump`), non-events (p < thresholds.non_event_p) apart, in-context copies flagged;
+collateral occurrences of each final word (never after a banned prefix); chat structure; and — for training
+candidates (train, dev, the split pool) — the provenance and naturalness guards. Pool documents are then split
+by document (seeded). The report is what `l47 solve` (train/dev events, collateral_anchor) and `l47 audit`
+(held-out events, collateral_eval, chat sets) consume, as JSON.
+
+Notation for array shapes: T positions of a document (row t predicts tokens[t+1]); k top-k of the head pass.
+Precision: log p and CE come from the tail forward in f32 with f64 vocabulary reductions (l47.forward); the
+report stores p = exp(log p) as f64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from l47 import names
+from l47.errors import L47Error
+from l47.dumps.schema import PROV_GENERATED
+from l47.experiment import KLD, SETS, SPLIT_SETS, Experiment, load_experiment
+
+SCHEMA = "l47.sets/1"
+POOL = "pool"
+EVENT_SETS = SPLIT_SETS + ("chat_heldout", "blind")  # sets where a zero event count is worth a warning
+GUARDED = SPLIT_SETS[:2] + (POOL,)  # training candidates: provenance and naturalness guards
+CHAT_REQUIRED = ("chat_heldout", "blind")  # need turns, a <think> block and terminal positions
+SAMPLER_TOPK = 64  # top-k of the base pass used by the sampler-consistency guard
+
+
+# ----------------------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    set: str
+    doc: str
+    doc_sha256: str
+    pos: int  # row t: target tokens[t+1] is the final token
+    phrase: str
+    tuple: tuple[int, ...]
+    final: int
+    p_base: float  # base p(final token) at row t (exact tail forward)
+    role: str  # role of the target
+    in_context_copy: bool  # the phrase already occurred earlier in the same document
+    generated: bool = False  # the target's role is `generated` in the document's provenance
+
+
+@dataclass(frozen=True)
+class CollateralRecord:
+    set: str
+    doc: str
+    doc_sha256: str
+    pos: int
+    word: str
+    token_id: int
+    p_base: float
+    role: str
+
+
+@dataclass(frozen=True)
+class Coverage:
+    docs: int = 0
+    positions: int = 0
+    final_word_targets: int = 0  # targets equal to a banned tuple's final token or a collateral word
+    collateral: int = 0  # of which ordinary (not after a banned prefix)
+    special_targets: int = 0
+    turns: int = 0
+    think_blocks: int = 0
+    terminal: int = 0  # real turn ends (target <|im_end|>)
+    openers: int = 0  # user-turn openers
+
+    def __add__(self, o: "Coverage") -> "Coverage":
+        return Coverage(**{f.name: getattr(self, f.name) + getattr(o, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class DocReport:
+    set: str
+    path: str
+    sha256: str
+    doc_id: str
+    T: int
+    verified: bool  # the dump carries the engine's own log p (zero-proxy check possible)
+    ce: float | None  # base CE over content targets, nats (None: refused before scoring)
+    events: int
+    non_events: int
+    copies: int  # events flagged in-context copy
+    coverage: Coverage
+    ngram_repeat: float | None = None
+    dup_lines: float | None = None
+    sampler_checked: int | None = None
+    sampler_violations: int | None = None
+    refused: bool = False
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SetsReport:
+    schema: str
+    experiment: str
+    name: str
+    model: str
+    model_sha256: str
+    vocab: str
+    thresholds: dict
+    phrases: tuple[dict, ...]  # {phrase, margin_scale, tuples, variants}
+    phrase_issues: tuple[dict, ...]  # {phrase, variant, ids, reason}
+    collateral_words: dict[str, int]
+    special_ids: dict[str, int]
+    docs: tuple[DocReport, ...]
+    events: tuple[EventRecord, ...]  # base p ≥ non_event_p, accepted documents, every set
+    non_events: tuple[EventRecord, ...]
+    collateral: tuple[CollateralRecord, ...]
+    split: dict | None  # {seed, fractions, assignment: {path: split}, heldout_frac}
+    warnings: tuple[str, ...]
+
+    # --- views
+    def set_names(self) -> list[str]:
+        present = {d.set for d in self.docs}
+        order = list(SETS) + sorted(s for s in present if s.startswith(KLD + ".")) + [POOL]
+        return [s for s in order if s in present]
+
+    def counts(self, what: str = "events") -> dict[str, dict[str, int]]:
+        """phrase → set → count of `events` / `non_events` / `copies` (in-context copies among events)."""
+        out = {p["phrase"]: {} for p in self.phrases}
+        src = self.non_events if what == "non_events" else self.events
+        for e in src:
+            if what == "copies" and not e.in_context_copy:
+                continue
+            c = out.setdefault(e.phrase, {})
+            c[e.set] = c.get(e.set, 0) + 1
+        return out
+
+    def collateral_counts(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {w: {} for w in self.collateral_words}
+        for c in self.collateral:
+            d = out.setdefault(c.word, {})
+            d[c.set] = d.get(c.set, 0) + 1
+        return out
+
+    def coverage(self) -> dict[str, Coverage]:
+        out: dict[str, Coverage] = {}
+        for d in self.docs:
+            if not d.refused:
+                out[d.set] = out.get(d.set, Coverage()) + d.coverage
+        return out
+
+    def solver_events(self) -> tuple[EventRecord, ...]:
+        """Events the solver may train on / tune with: train and dev only."""
+        return tuple(e for e in self.events if e.set in SPLIT_SETS[:2])
+
+    def heldout_events(self) -> tuple[EventRecord, ...]:
+        return tuple(e for e in self.events if e.set == "heldout")
+
+    # --- serialisation
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, indent=1, allow_nan=False)
+
+    @staticmethod
+    def from_dict(d: dict) -> "SetsReport":
+        if d.get("schema") != SCHEMA:
+            raise L47Error("sets report", "schema", SCHEMA, repr(d.get("schema")))
+        ev = lambda x: EventRecord(**{**x, "tuple": tuple(x["tuple"])})  # noqa: E731
+        docs = tuple(DocReport(**{**x, "coverage": Coverage(**x["coverage"]), "reasons": tuple(x["reasons"])})
+                     for x in d["docs"])
+        return SetsReport(**{
+            **d, "phrases": tuple(d["phrases"]), "phrase_issues": tuple(d["phrase_issues"]), "docs": docs,
+            "events": tuple(ev(x) for x in d["events"]), "non_events": tuple(ev(x) for x in d["non_events"]),
+            "collateral": tuple(CollateralRecord(**x) for x in d["collateral"]), "warnings": tuple(d["warnings"]),
+        })
+
+
+def load_sets_report(path) -> SetsReport:
+    path = Path(path)
+    try:
+        return SetsReport.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
+        raise L47Error(path, "sets report", f"a JSON file written by `l47 sets` ({SCHEMA})", str(e)) from None
+
+
+def write_sets_json(report: SetsReport, path) -> Path:
+    """Atomic write (temp file in the same folder + os.replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(report.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one document
+
+
+@dataclass
+class _Doc:
+    set: str
+    path: Path
+    sha: str = ""
+    report: DocReport | None = None
+    events: list = field(default_factory=list)  # (Event, p)
+    collateral: list = field(default_factory=list)  # (Collateral, p)
+    generated_roles: frozenset = frozenset()  # role codes whose provenance is "generated"
+
+
+def _refused(d: _Doc, reason: str, doc_id: str = "", T: int = 0) -> _Doc:
+    d.report = DocReport(d.set, str(d.path), d.sha, doc_id, T, False, None, 0, 0, 0, Coverage(), refused=True,
+                         reasons=(reason,))
+    return d
+
+
+def _process(d: _Doc, ctx: dict) -> _Doc:
+    from l47.dumps import read_dump
+    from l47.dumps.select import (chat_structure, find_collateral, find_events, guard_document,
+                                  provenance_reasons)
+    from l47.forward import score_dump
+    from l47.weights import check_dump_dims
+
+    w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
+    try:
+        dump = read_dump(d.path)
+    except L47Error as e:
+        return _refused(d, f"unreadable dump: {e}")
+    d.sha = dump.sha256
+    meta = dump.meta
+    d.generated_roles = frozenset(names.ROLE_ID[r] for r, v in (meta.provenance or {}).items()
+                                  if r in names.ROLE_ID and v == PROV_GENERATED)
+    T = dump.T
+    try:
+        check_dump_dims(w, meta, str(d.path))
+    except L47Error as e:
+        return _refused(d, str(e), meta.doc_id, T)
+    tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
+    role = np.asarray(dump.role)  # [T]
+    bad = tokens[(tokens < 0) | (tokens >= vocab.size)]
+    if bad.size:
+        return _refused(d, f"token id {int(bad[0])} outside the vocabulary ({vocab.size} ids)", meta.doc_id, T)
+
+    events = find_events(tokens, ctx["phrases"], role)
+    collat = find_collateral(tokens, ctx["words"], ctx["phrases"], role)
+    chat = chat_structure(tokens, role, vocab.special_ids)
+    guarded = d.set in GUARDED
+    # every readable document is scored once: base p at events / collateral, and CE (the not-a-proxy figure)
+    stats = score_dump(w, dump, topk=min(SAMPLER_TOPK, w.V) if guarded else 1)
+    logp = stats.logp_target  # [T] f64
+
+    reasons: list[str] = []
+    guard = None
+    if guarded:
+        present = sorted({names.ROLES[int(r)] for r in np.unique(role)})
+        reasons += provenance_reasons(meta.provenance, present, w.model_sha256, meta.model)
+        content = tokens[1:][role != names.ROLE_ID["template"]]  # [T'] the document's words, no chat markup
+        guard = guard_document(
+            vocab.decode(content.tolist()), logp_target=logp, top_logp=stats.top_logp, role=role,
+            provenance=meta.provenance, vocab_size=w.V, ngram_n=th.salad_ngram,
+            max_ngram_repeat=th.salad_max_ngram_repeat, max_dup_lines=th.salad_max_dup_lines,
+            ce_proxy_frac=th.ce_proxy_frac, max_sampler_violation_frac=th.sampler_max_violation_frac,
+            sampler_tol=th.sampler_tol)
+        reasons += list(guard.reasons)
+    if d.set in CHAT_REQUIRED:
+        lacks = [n for n, v in (("turns", chat.n_turns), ("<think> block", chat.n_think),
+                                ("terminal positions", chat.n_terminal)) if not v]
+        if lacks:
+            reasons.append(f"a {d.set} document must be a chat with turns, a <think> block and terminal "
+                           f"positions; it has no {', no '.join(lacks)}")
+
+    d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
+    d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
+    thr = th.non_event_p
+    n_ev = sum(1 for _, q in d.events if q >= thr)
+    content_mask = role != names.ROLE_ID["template"]
+    ce = None
+    if T:
+        m = content_mask if content_mask.any() else np.ones(T, dtype=bool)
+        ce = float(-logp[m].mean())  # f64 mean over content targets
+    finals = ctx["final_ids"]
+    cov = Coverage(
+        docs=1, positions=T, final_word_targets=int(np.isin(tokens[1:], finals).sum()), collateral=len(collat),
+        special_targets=int(chat.special_target.sum()), turns=chat.n_turns, think_blocks=chat.n_think,
+        terminal=chat.n_terminal, openers=int(chat.opener.sum()),
+    )
+    d.report = DocReport(
+        set=d.set, path=str(d.path), sha256=d.sha, doc_id=meta.doc_id, T=T, verified=dump.verified, ce=ce,
+        events=n_ev, non_events=len(d.events) - n_ev,
+        copies=sum(1 for e, q in d.events if q >= thr and e.in_context_copy), coverage=cov,
+        ngram_repeat=None if guard is None else guard.ngram_repeat,
+        dup_lines=None if guard is None else guard.dup_lines,
+        sampler_checked=None if guard is None or guard.sampler is None else guard.sampler.checked,
+        sampler_violations=None if guard is None or guard.sampler is None else len(guard.sampler.violations),
+        refused=bool(reasons), reasons=tuple(reasons),
+    )
+    return d
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the whole experiment
+
+
+def _vocab_for(experiment: Experiment, weights):
+    from l47 import vocab as V
+
+    if experiment.vocab == "qwen36":
+        return V.vocab_qwen36()
+    if experiment.vocab == "gguf":
+        return V.vocab_from_gguf(weights.path)
+    return V.vocab_for_model(weights.path)
+
+
+def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
+               progress: Callable[[str], None] | None = None) -> SetsReport:
+    """Mine, score, guard and split every document of an experiment. See the module docstring."""
+    from l47.dumps.select import phrases_to_tuples, split_documents
+    from l47.weights import TailWeights, load_tail_weights
+
+    exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
+    th = exp.thresholds
+    src = weights_or_model_path if weights_or_model_path is not None else exp.model
+    if src is None:
+        raise L47Error(exp.path, "model", "a base GGUF (the experiment's `model` key or --model)", "none given")
+    w = src if isinstance(src, TailWeights) else load_tail_weights(src, policy=exp.policy, device=device)
+    vocab = vocab if vocab is not None else _vocab_for(exp, w)
+    if vocab.size > w.V:
+        raise L47Error(w.path, "vocabulary", f"at most V = {w.V} token ids (the head's rows)",
+                       f"{vocab.size} in {vocab.name}")
+    if not exp.phrases:
+        raise L47Error(exp.path, "phrases", "at least one [[phrases]] entry", "none")
+
+    phrases, issues = phrases_to_tuples(exp.phrases, vocab)
+    warnings: list[str] = []
+    finals = sorted({t[-1] for pt in phrases for t in pt.tuples})
+    if exp.collateral_words:
+        words = {}
+        for wd in exp.collateral_words:
+            try:
+                words[wd] = vocab.id_of(wd)
+            except L47Error as e:
+                raise L47Error(exp.path, f"collateral.words {wd!r}", "a string that is one token of the model's "
+                               "vocabulary (mind the leading space)", e.found) from None
+    else:
+        words = {vocab.decode([i]): i for i in finals}
+    final_ids = np.array(sorted(set(finals) | set(words.values())), dtype=np.int64)
+    ctx = dict(weights=w, vocab=vocab, thresholds=th, phrases=phrases, words=words, final_ids=final_ids)
+
+    docs: list[_Doc] = []
+    seen: dict[str, _Doc] = {}
+    for s, path in exp.documents():
+        if progress:
+            progress(f"{s}: {path}")
+        d = _process(_Doc(s, path), ctx)
+        if d.sha and d.sha in seen:
+            first = seen[d.sha]
+            d.report = replace(d.report, refused=True, reasons=d.report.reasons + (
+                f"the same document (sha256 {d.sha[:12]}) as {first.path} in set {first.set}: a document "
+                f"belongs to one set only",))
+        elif d.sha:
+            seen[d.sha] = d
+        docs.append(d)
+
+    # --- seeded split of the pool, by document (key: content hash, so file names do not matter)
+    split_info = None
+    thr = th.non_event_p
+    if exp.split is not None:
+        pool = [d for d in docs if d.set == POOL and not d.report.refused]
+        counts = {}
+        for d in pool:
+            c: dict[str, int] = {}
+            for e, q in d.events:
+                if q >= thr:
+                    c[e.phrase] = c.get(e.phrase, 0) + 1
+            counts[d.sha] = c
+        res = split_documents(counts, exp.split.seed, exp.split.fractions, th.heldout_frac,
+                              th.min_heldout_per_phrase)
+        for d in pool:
+            d.set = res.assignment[d.sha]
+            d.report = replace(d.report, set=d.set)
+        split_info = {"seed": exp.split.seed, "fractions": dict(exp.split.fractions),
+                      "assignment": {str(d.path): d.set for d in pool}, "heldout_frac": res.heldout_frac}
+
+    # --- records (accepted documents only)
+    ev, nev, col = [], [], []
+    for d in docs:
+        if d.report.refused:
+            continue
+        for e, q in d.events:
+            rec = EventRecord(d.set, str(d.path), d.sha, e.pos, e.phrase, tuple(e.tuple), e.final, q,
+                              names.ROLES[e.role], e.in_context_copy, e.role in d.generated_roles)
+            (ev if q >= thr else nev).append(rec)
+        for c, q in d.collateral:
+            col.append(CollateralRecord(d.set, str(d.path), d.sha, c.pos, c.word, c.token_id, q, names.ROLES[c.role]))
+
+    # --- warnings
+    for i in issues:
+        if i.reason.startswith("no multi-token variant"):
+            warnings.append(f"phrase {i.phrase!r}: no multi-token variant, so it can have no events")
+    refused = [d for d in docs if d.report.refused]
+    if refused:
+        warnings.append(f"{len(refused)} document(s) refused (see the refused table)")
+    accepted: dict[str, int] = {}
+    for d in docs:
+        if not d.report.refused:
+            accepted[d.set] = accepted.get(d.set, 0) + 1
+    n_ev = {}
+    for r in ev:
+        n_ev[r.set] = n_ev.get(r.set, 0) + 1
+    for s in EVENT_SETS:
+        listed = s in exp.sets or (exp.split is not None and s in SPLIT_SETS)
+        if listed and accepted.get(s, 0) == 0:
+            warnings.append(f"set {s!r}: no accepted documents")
+        elif listed and n_ev.get(s, 0) == 0:
+            warnings.append(f"set {s!r}: zero events in {accepted[s]} document(s)")
+    split_total = sum(n_ev.get(s, 0) for s in SPLIT_SETS)
+    if split_total:
+        frac = n_ev.get("heldout", 0) / split_total
+        if frac < th.heldout_frac:
+            warnings.append(f"only {frac:.1%} of events held out (< {th.heldout_frac:.0%}, by document)")
+        per = {pt.phrase: 0 for pt in phrases if pt.tuples}
+        for r in ev:
+            if r.set == "heldout":
+                per[r.phrase] = per.get(r.phrase, 0) + 1
+        for ph, n in per.items():
+            if n < th.min_heldout_per_phrase:
+                warnings.append(f"phrase {ph!r}: {n} held-out events (< {th.min_heldout_per_phrase})")
+    ceval = [c for c in col if c.set == "collateral_eval"]
+    if len(ceval) < th.collateral_min_total:
+        warnings.append(f"collateral_eval: {len(ceval)} collateral occurrences (< {th.collateral_min_total})")
+    for wd in words:
+        n = sum(1 for c in ceval if c.word == wd)
+        if n < th.collateral_min_per_word:
+            warnings.append(f"collateral_eval: word {wd!r} occurs {n} times (< {th.collateral_min_per_word})")
+
+    return SetsReport(
+        schema=SCHEMA, experiment=str(exp.path), name=exp.name, model=w.path, model_sha256=w.model_sha256,
+        vocab=vocab.name, thresholds=th.to_dict(),
+        phrases=tuple({"phrase": pt.phrase, "margin_scale": pt.margin_scale, "tuples": [list(t) for t in pt.tuples],
+                       "variants": list(pt.variants)} for pt in phrases),
+        phrase_issues=tuple({"phrase": i.phrase, "variant": i.variant, "ids": list(i.ids), "reason": i.reason}
+                            for i in issues),
+        collateral_words=dict(words), special_ids=dict(vocab.special_ids), docs=tuple(d.report for d in docs),
+        events=tuple(ev), non_events=tuple(nev), collateral=tuple(col), split=split_info,
+        warnings=tuple(warnings),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rendering and the command
+
+
+def render_sets_table(report: SetsReport) -> list:
+    """rich renderables: events per phrase × set, collateral per word × set, coverage per set, refusals,
+    phrase issues, warnings and the thresholds."""
+    from rich.table import Table
+    from rich.text import Text
+
+    out: list = []
+    sets = [s for s in report.set_names() if s != POOL]
+    ev, nev, cp = report.counts("events"), report.counts("non_events"), report.counts("copies")
+    t = Table(title=f"events per phrase × set (base p ≥ {report.thresholds['non_event_p']:g}; "
+                    f"solver sees train/dev only)")
+    t.add_column("phrase")
+    t.add_column("tuples", justify="right")
+    for s in sets:
+        t.add_column(s, justify="right")
+    t.add_column("non-events", justify="right")
+    t.add_column("held-out copies", justify="right")
+    ntup = {p["phrase"]: len(p["tuples"]) for p in report.phrases}
+    for ph in ev:
+        t.add_row(ph, str(ntup.get(ph, 0)), *[str(ev[ph].get(s, 0)) for s in sets],
+                  str(sum(nev.get(ph, {}).values())), str(cp.get(ph, {}).get("heldout", 0)))
+    out.append(t)
+
+    cc = report.collateral_counts()
+    t = Table(title="collateral per word × set (ordinary uses, never after a banned prefix)")
+    t.add_column("word")
+    t.add_column("id", justify="right")
+    for s in sets:
+        t.add_column(s, justify="right")
+    for wd, c in cc.items():
+        t.add_row(repr(wd), str(report.collateral_words.get(wd, "")), *[str(c.get(s, 0)) for s in sets])
+    out.append(t)
+
+    cov = report.coverage()
+    t = Table(title="coverage per set")
+    cols = [f.name for f in fields(Coverage)]
+    t.add_column("set")
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="right")
+    t.add_column("refused", justify="right")
+    for s in report.set_names():
+        c = cov.get(s, Coverage())
+        nref = sum(1 for d in report.docs if d.set == s and d.refused)
+        t.add_row(s, *[str(getattr(c, k)) for k in cols], str(nref))
+    out.append(t)
+
+    refused = [d for d in report.docs if d.refused]
+    if refused:
+        t = Table(title="refused documents")
+        t.add_column("set")
+        t.add_column("document")
+        t.add_column("why")
+        for d in refused:
+            t.add_row(d.set, d.path, "; ".join(d.reasons))
+        out.append(t)
+    if report.phrase_issues:
+        t = Table(title="phrase variants not used")
+        t.add_column("phrase")
+        t.add_column("variant")
+        t.add_column("ids")
+        t.add_column("reason")
+        for i in report.phrase_issues:
+            t.add_row(i["phrase"], repr(i["variant"]), str(i["ids"]), i["reason"])
+        out.append(t)
+    th = ", ".join(f"{k}={v:g}" for k, v in report.thresholds.items())
+    out.append(Text(f"thresholds: {th}", style="dim"))
+    for wmsg in report.warnings:
+        out.append(Text(f"warning: {wmsg}", style="yellow"))
+    return out
+
+
+def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu") -> int:
+    """`l47 sets EXPERIMENT.toml [--json out.json]`: build, print, write. Exit code 0 when there are no
+    warnings (no refused documents, enough held-out events and collateral), 1 otherwise; bad input raises
+    L47Error (the CLI prints it and exits 2)."""
+    from rich.console import Console
+
+    console = console or Console()
+    exp = load_experiment(experiment_path)
+    report = build_sets(exp, model, device=device)
+    for r in render_sets_table(report):
+        console.print(r)
+    if json_out is not None:
+        p = write_sets_json(report, json_out)
+        console.print(f"sets JSON: {p}")
+    return 1 if report.warnings else 0
