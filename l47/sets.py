@@ -259,9 +259,13 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     collat = find_collateral(tokens, ctx["words"], ctx["phrases"], role)
     chat = chat_structure(tokens, role, vocab.special_ids)
     guarded = d.set in GUARDED
-    # every readable document is scored once: base p at events / collateral, and CE (the not-a-proxy figure)
-    stats = score_dump(w, dump, topk=min(SAMPLER_TOPK, w.V) if guarded else 1)
-    logp = stats.logp_target  # [T] f64
+    # every readable document is scored once: base p at events / collateral, and CE (the not-a-proxy figure) —
+    # except a blind document, which only `l47 audit --blind` may score, once (its structure is still checked)
+    if d.set == "blind":
+        stats, logp = None, np.full(T, np.nan)  # [T]
+    else:
+        stats = score_dump(w, dump, topk=min(SAMPLER_TOPK, w.V) if guarded else 1)
+        logp = stats.logp_target  # [T] f64
 
     reasons: list[str] = []
     guard = None
@@ -289,7 +293,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     n_ev = sum(1 for _, q in d.events if q >= thr)
     content_mask = role != names.ROLE_ID["template"]
     ce = None
-    if T:
+    if T and stats is not None:
         m = content_mask if content_mask.any() else np.ones(T, dtype=bool)
         ce = float(-logp[m].mean())  # f64 mean over content targets
     finals = ctx["final_ids"]

@@ -28,6 +28,7 @@ from l47.solvers.wfld import WfldConfig, solve_wfld
 
 METHODS = ("wfld", "ftpo")
 COMMON_KEYS = ("seed", "max_background", "n_chosen", "wfld", "ftpo")
+SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")  # the only sets a solve reads
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     inputs += [rec.InputFile(d.path, d.sha256, d.set) for d in sorted(report.docs, key=lambda d: (d.set, d.sha256))]
     prov = {"method": cfg.method, "toolkit_version": l47.__version__, "seed": str(cfg.seed),
             "base_sha256": base_g.sha256(), "target": w.target, "config": cfg.to_dict(),
-            "dumps": sorted({d.sha256 for d in report.docs if not d.refused})}
+            "dumps": sorted({d.sha256 for d in report.docs if not d.refused and d.set in SOLVER_SETS})}
     if args.overlay:
         write_overlay(model, out, w.target, raw_new, prov)
     else:
@@ -250,8 +251,8 @@ def run_solve(args: SolveArgs, log=print) -> dict:
                              notes=list(method_summary.get("warnings", [])) if isinstance(method_summary, dict) else [])
     _atomic_write_text(rec.record_path_for(out), record.to_json())
     ledger = args.ledger or out.parent / "ledger.jsonl"
-    append_ledger(ledger, [(s, bundle_sha) for s in sorted({d.sha256 for d in report.docs if not d.refused})],
-                  "solve")
+    scored = sorted({d.sha256 for d in report.docs if d.set != "blind"})  # sets never scores a blind document
+    append_ledger(ledger, [(s, bundle_sha) for s in scored], "solve")
     claims["bundle"] = str(out)
     claims["bundle_sha256"] = bundle_sha
     claims["record"] = str(rec.record_path_for(out))
