@@ -191,6 +191,65 @@ def transplant(
                   highlight=False)
 
 
+@app.command()
+@guarded
+def demo(
+    out: Path = typer.Option(Path("out/demo"), help="output directory"),
+    prompts: Optional[int] = typer.Option(None, help="use only the first N prompts"),
+    max_new_tokens: int = typer.Option(96),
+    fresh: bool = typer.Option(False, help="remove previous outputs first"),
+    control: bool = typer.Option(True, help="also audit a negative-control bundle (must FAIL)"),
+):
+    """The whole workflow on the shipped demo model: dump -> sets -> solve -> audit -> blind -> negative control."""
+    from l47.demo import DemoArgs, run_demo
+
+    raise typer.Exit(run_demo(DemoArgs(out=out, prompts=prompts, max_new_tokens=max_new_tokens, fresh=fresh,
+                                       control=control), console))
+
+
+@app.command()
+@guarded
+def audit(
+    bundle: Path = typer.Argument(..., help="bundle GGUF (full model or overlay)"),
+    base: Path = typer.Option(..., "--base", help="the base GGUF"),
+    experiment: Path = typer.Option(..., "--experiment", help="experiment TOML"),
+    out: Path = typer.Option(Path("audit"), "--out", help="report directory"),
+    blind: Optional[Path] = typer.Option(None, "--blind", help="blind document (dump) for the sign-off"),
+    dev_report: Optional[Path] = typer.Option(None, "--dev", "--dev-report", help="the dev audit's report.json"),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: OUT/ledger.jsonl)"),
+    record: Optional[Path] = typer.Option(None, help="solve record (default: BUNDLE.solve.json)"),
+    engine_dumps: list[Path] = typer.Option([], "--engine-dump", help="dumps of the engine running the bundle"),
+    policy: str = typer.Option("strata"),
+    device: str = typer.Option("cpu"),
+    plots: bool = typer.Option(True),
+):
+    """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
+    if every bar passes."""
+    from l47.evals.audit import AuditArgs, print_summary, run_audit
+
+    res = run_audit(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
+                              tuple(engine_dumps), plots=plots), console)
+    print_summary(res, console)
+    raise typer.Exit(res.exit_code)
+
+
+@app.command()
+@guarded
+def penalty(
+    experiment: Path = typer.Argument(..., help="experiment TOML"),
+    out: Path = typer.Option(..., "--out", help="penalty spec JSON for the engine"),
+    base: Optional[Path] = typer.Option(None, "--base"),
+    bundle: Optional[Path] = typer.Option(None, "--bundle", help="also simulate stacked on this bundle"),
+    bias: float = typer.Option(5.0, help="logit bias subtracted from the final token after its exact prefix"),
+    form: str = typer.Option("prefix-exact", help="prefix-exact | last-prefix-token | previous-token (cheaper forms: extra hits measured)"),
+    device: str = typer.Option("cpu"),
+):
+    """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export."""
+    from l47.evals.penalty import PenaltyArgs, run_penalty
+
+    run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device), console)
+
+
 def main():  # pragma: no cover
     app()
 

@@ -1,0 +1,207 @@
+"""`l47 demo`: the whole workflow on the shipped demo model (a small qwen4exp that learned the slop phrases).
+
+    dump (hf engine: the model's own generations + held-out chat, collateral, background, KLD, blind documents)
+      -> sets -> solve (WFLD) -> audit (must PASS)
+      -> a negative control through the same audit (must FAIL): a bundle that suppresses a final word everywhere,
+         with a solve record that touched non-prefix positions (the seed's v3 "mined" failure, seed §5)
+
+Every number printed comes from the exact tail forward on the re-quantised weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATA = Path(__file__).resolve().parent / "demo_data"
+MODEL = DATA / "demo-model.gguf"
+PHRASES = ("end to end", "short version", "here's what", "exactly what", "what's actually", "right away",
+           "rather than")
+WORDS = (" than", " what", " end", " away", " version", " actually")
+
+
+@dataclass(frozen=True)
+class DemoArgs:
+    out: Path = Path("out/demo")
+    model: Path = MODEL
+    prompts: int | None = None  # use only the first N prompts (tests)
+    max_new_tokens: int = 96
+    seed: int = 0
+    fresh: bool = False  # remove previous outputs first (dumps are otherwise resumed)
+    control: bool = True
+
+
+def _subset_jsonl(src: Path, dst: Path, n: int | None) -> Path:
+    lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text("\n".join(lines[: n or len(lines)]) + "\n")
+    return dst
+
+
+def _toml_list(paths) -> str:
+    return "[" + ", ".join(json.dumps(str(p)) for p in paths) + "]"
+
+
+def write_experiment(out: Path, model: Path, d: dict[str, list[Path]], solver: str = "") -> Path:
+    """The demo's experiment file: generated turns split by document into train/dev/heldout; human-written
+    chat as chat_heldout; collateral documents alternately protected (anchor) and scored (eval)."""
+    coll = sorted(d["collateral"])
+    anchor, evalc = coll[0::2], coll[1::2]
+    kld = "\n".join(f"{k.removeprefix('kld_')} = {_toml_list(v)}" for k, v in sorted(d.items())
+                    if k.startswith("kld_"))
+    phrases = "\n".join(f'[[phrases]]\ntext = "{p}"\n' for p in PHRASES)
+    text = f'''name = "l47 demo"
+model = {json.dumps(str(model))}
+policy = "strata"
+
+[sets]
+collateral_anchor = {_toml_list(anchor)}
+collateral_eval = {_toml_list(evalc)}
+background = {_toml_list(sorted(d["background"]))}
+chat_heldout = {_toml_list(sorted(d["heldout_chat"]))}
+blind = {_toml_list(sorted(d["blind"]))}
+
+[sets.kld]
+{kld}
+
+[split]
+pool = {_toml_list(sorted(d["generated"]))}
+seed = 0
+
+{phrases}
+[collateral]
+words = {json.dumps(list(WORDS))}
+{solver}
+'''
+    p = out / "experiment.toml"
+    p.write_text(text)
+    return p
+
+
+INPUTS = ("heldout_chat", "collateral", "background", "kld_ops_tools", "kld_chat_json", "kld_prose", "blind")
+FILES = {"heldout_chat": "heldout_chat.jsonl", "collateral": "collateral.jsonl", "background": "background.jsonl",
+         "kld_ops_tools": "kld_ops_tools.jsonl", "kld_chat_json": "kld_chat_json.jsonl",
+         "kld_prose": "kld_prose.jsonl", "blind": "blind_chat.jsonl"}
+
+
+def suppress_word_bundle(base: Path, out: Path, word_id: int, strength: float = 3.0) -> Path:
+    """Negative control: ΔW that pushes one final word down in EVERY context (no prefix condition), as the
+    seed's v3 "mined" loss did (seed §5.3). Rank one: along the head row of the word, keyed on the mean hh."""
+    from l47.gguf_io import open_gguf
+    from l47.solvers.bundle import requantize_target, write_bundle
+    from l47.weights import load_tail_weights
+
+    g = open_gguf(base)
+    w = load_tail_weights(g, policy="strata")
+    u = -w.head[word_id] / w.head[word_id].norm()  # [n] down the word's logit direction
+    v = torch.ones(w.f) / w.f ** 0.5  # [f]
+    dW = strength * w.W_sd.norm() / w.f ** 0.5 * torch.outer(u, v)
+    raw, _ = requantize_target(g, w.target, w.W_sd + dW)
+    return write_bundle(base, out, w.target, raw, {"method": "negative-control: suppress a word everywhere"})
+
+
+def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
+    """A solve record for the control that says what such a loss touches: every position whose target is the
+    word — ordinary uses included, no prefix check (what bar (a) must catch)."""
+    import l47
+    from l47 import record as rec
+    from l47.gguf_io import open_gguf
+    from l47.solvers.solve import _atomic_write_text
+
+    touched = [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_SLOP, c.word, c.p_base)
+               for c in sets_report.collateral if c.token_id == word_id and c.set in ("collateral_anchor",)]
+    touched += [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base)
+                for e in sets_report.events if e.set == "train"]
+    r = rec.SolveRecord(method="negative-control", toolkit_version=l47.__version__, seed=0,
+                        base_sha256=open_gguf(base).sha256(), bundle_sha256=open_gguf(bundle).sha256(),
+                        target="", config={"word_id": word_id}, inputs=[], touched=touched, claims={})
+    p = rec.record_path_for(bundle)
+    _atomic_write_text(p, r.to_json())
+    return p
+
+
+def run_demo(args: DemoArgs, console) -> int:
+    """dump -> sets -> solve -> audit (dev) -> blind sign-off; then the negative control. Exit code 0 when the
+    solved bundle passes every bar and the negative control fails."""
+    from l47.dumping import GenerateOptions, run_dump
+    from l47.errors import L47Error
+    from l47.evals.audit import AuditArgs, print_summary, run_audit
+    from l47.sets import build_sets, write_sets_json, render_sets_table
+    from l47.solvers.report import print_solve
+    from l47.solvers.solve import SolveArgs, run_solve
+    from l47.vocab import vocab_for_model
+
+    out = Path(args.out)
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(args.model).is_file():
+        raise L47Error(args.model, "demo model", "the shipped GGUF (scripts/train_demo_model.py rebuilds it)",
+                       "missing")
+    model = Path(args.model).resolve()
+    inputs = out / "inputs"
+    dirs: dict[str, list[Path]] = {}
+
+    console.rule("[bold]1. dump (hf engine)")
+    prompts = _subset_jsonl(DATA / "prompts.jsonl", inputs / "prompts.jsonl", args.prompts)
+    gen = GenerateOptions(max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=0.7, top_p=0.9, top_k=40)
+    s = run_dump("hf", model, prompts, out / "dumps" / "generated", generate=gen, console=console)
+    dirs["generated"] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
+    for k in INPUTS:
+        s = run_dump("hf", model, DATA / FILES[k], out / "dumps" / k, console=console)
+        dirs[k] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
+    exp = write_experiment(out, model, dirs)
+
+    console.rule("[bold]2. sets")
+    report = build_sets(exp)
+    for r in render_sets_table(report):
+        console.print(r)
+    sets_json = write_sets_json(report, out / "sets.json")
+
+    console.rule("[bold]3. solve (WFLD)")
+    bundle = out / "bundle.gguf"
+    ledger = out / "ledger.jsonl"
+    claims = run_solve(SolveArgs(exp, "wfld", bundle, ledger=ledger, sets_json=sets_json),
+                       log=lambda m: console.print(m, highlight=False))
+    print_solve(claims, console)
+
+    console.rule("[bold]4. audit")
+    dev = run_audit(AuditArgs(bundle, model, exp, out / "audit", ledger=ledger), console)
+    print_summary(dev, console)
+    blind_ok = None
+    if dirs["blind"]:
+        console.rule("[bold]5. blind sign-off")
+        bl = run_audit(AuditArgs(bundle, model, exp, out / "audit-blind", blind=dirs["blind"][0],
+                                 dev_report=Path(dev.out_dir) / "report.json", ledger=ledger), console)
+        print_summary(bl, console)
+        blind_ok = bl.passed
+
+    control_ok = None
+    if args.control:
+        console.rule("[bold]6. negative control: a bundle that suppresses ' than' everywhere")
+        vocab = vocab_for_model(model)
+        word = vocab.encode(" than")[0]
+        cb = suppress_word_bundle(model, out / "control" / "bundle.gguf", word)
+        control_record(cb, model, report, word)
+        ctl = run_audit(AuditArgs(cb, model, exp, out / "control" / "audit", ledger=out / "control" / "ledger.jsonl"),
+                        console)
+        print_summary(ctl, console)
+        control_ok = not ctl.passed
+        failed = [b.name for b in ctl.bars if not b.passed]
+        console.print(f"negative control verdict: {'FAIL (as it must)' if control_ok else 'PASS — the audit missed it!'}"
+                      f"; failed bars: {', '.join(failed)}", highlight=False)
+
+    summary = {"bundle": str(bundle), "report": str(Path(dev.out_dir) / "report.md"), "passed": dev.passed,
+               "blind_passed": blind_ok, "control_failed": control_ok}
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
+    console.rule("[bold]result")
+    console.print(f"audit: {'PASS' if dev.passed else 'FAIL'}; blind sign-off: "
+                  f"{'—' if blind_ok is None else ('PASS' if blind_ok else 'FAIL')}; negative control: "
+                  f"{'—' if control_ok is None else ('failed, as it must' if control_ok else 'passed (audit missed it)')}"
+                  f"\nreport: {summary['report']}", highlight=False)
+    return 0 if dev.passed and control_ok is not False else 1
