@@ -1,0 +1,899 @@
+"""`l47 audit BUNDLE.gguf --base BASE.gguf --experiment EXP.toml`: the bars of DESIGN §6 on the real network.
+
+Orchestration only; the figures are pure functions (l47.evals.metrics), the bars are data (l47.evals.bars), the
+files are written by l47.evals.report / l47.evals.plots. Order of work, so that bad input never leaves a report
+and a blind document is never scored by a run that will be refused:
+    1. refuse an unwritable output directory, a corrupt ledger, missing dumps (load_experiment), a bundle or a
+       solve record for another model — before anything is scored;
+    2. blind sign-off only: refuse a bundle whose sha256 is not the dev report's, a blind document already in a
+       ledger / the dev report / the solve record, a blind document that is not a chat — before scoring it;
+    3. score every document once (base and bundle in one exact pass each), compute the figures, run the bars;
+    4. append every scored document to the ledger(s) (the blind document is burned from here on);
+    5. write report.json / report.md / positions.tsv / plots into a staging folder, then move them in.
+Exit code: 0 only when every applicable bar passes.
+
+Notation for array shapes: T positions of a document (row t predicts tokens[t+1]); F final tokens of the banned
+tuples; V vocabulary. Precision: f32 forward, f64 reductions (l47.forward); ‖ΔW‖ in f64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from l47 import names
+from l47.errors import L47Error
+from l47.evals import bars as B
+from l47.evals.metrics import (DocResult, collateral_figures, flip_figures, load_vocab, ordinary_figures,
+                               phrase_tuples_of, proxy_figures, score_document, slop_figures, special_mass_figures,
+                               turn_end_figures)
+from l47.evals.penalty import DEFAULT_BIAS
+
+AUDIT_SCHEMA = "l47.audit/1"
+SCORED_SETS = ("heldout", "collateral_eval", "chat_heldout", "blind")  # + every kld.<domain>
+SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")
+CLAIM_TOL_ABS, CLAIM_TOL_REL = 1e-4, 1e-3
+# record claims (SolveRecord.claims, nested dicts flattened with ".") the audit re-derives -> definition;
+# `<phrase>` stands for any phrase. Claims not listed here are shown as not re-derived.
+CLAIM_KEYS = {
+    "dW_rel_norm": "‖ΔW‖/‖W‖ of the runtime weights after re-quantisation (alias dw_rel)",
+    "blocks_changed": "Q8_0 blocks of the target whose bytes differ from the base",
+    "train_p_rejected.before": "mean base p(rejected) at the record's slop positions (alias train_p_before)",
+    "train_p_rejected.after": "mean bundle p(rejected) at the record's slop positions (alias train_p_after)",
+    "train_p_rejected.n": "number of slop positions in the record (alias n_train_events)",
+    "train_p_rejected.per_phrase_before.<phrase>": "per phrase, at the record's slop positions",
+    "train_p_rejected.per_phrase_after.<phrase>": "per phrase, at the record's slop positions",
+    "dev_p_rejected.before": "mean base p(rejected) at dev events (alias dev_p_before)",
+    "dev_p_rejected.after": "mean bundle p(rejected) at dev events (alias dev_p_after)",
+    "dev_p_rejected.n": "number of dev events",
+    "dev_p_rejected.per_phrase_before.<phrase>": "per phrase, at dev events",
+    "dev_p_rejected.per_phrase_after.<phrase>": "per phrase, at dev events",
+    "background_kl_exact": "mean KL(base ‖ bundle) at the record's background positions (alias background_kl)",
+    "anchors.n": "number of anchor positions in the record",
+    "anchors.max_abs_dlogp_shipped": "max |Δlog p(target)| at the record's anchor positions",
+    "bundle_sha256": "sha256 of the bundle",
+}
+CLAIM_ALIASES = {"dw_rel": "dW_rel_norm", "train_p_before": "train_p_rejected.before",
+                 "train_p_after": "train_p_rejected.after", "n_train_events": "train_p_rejected.n",
+                 "dev_p_before": "dev_p_rejected.before", "dev_p_after": "dev_p_rejected.after",
+                 "background_kl": "background_kl_exact"}
+
+
+@dataclass(frozen=True)
+class AuditArgs:
+    bundle: Path
+    base: Path
+    experiment: Path
+    out_dir: Path
+    blind: Path | None = None  # the blind document (dump) for the sign-off
+    dev_report: Path | None = None  # report.json of the dev audit of the same bundle
+    ledger: Path | None = None  # default: out_dir/ledger.jsonl
+    policy: str = "strata"
+    device: str = "cpu"
+    record: Path | None = None  # default: <bundle>.solve.json
+    engine_dumps: tuple[Path, ...] = ()  # dumps made by the engine running the transplanted bundle
+    penalty_bias: float = DEFAULT_BIAS
+    plots: bool = True
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    passed: bool
+    exit_code: int
+    mode: str
+    bars: tuple
+    out_dir: str
+    files: dict
+    bundle_sha256: str
+    report: dict = field(repr=False, default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def toolkit_version() -> str:
+    import l47
+
+    if getattr(l47, "__version__", None):
+        return str(l47.__version__)
+    try:
+        from importlib.metadata import version
+
+        return version("l47")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "0+unknown"
+
+
+def _file_sha(path: Path) -> str:
+    from l47.dumps import doc_hash
+
+    return doc_hash(path)
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an output directory that cannot be written, before any work."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=".l47-write-test.")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise L47Error(out, "output directory", "a directory this user can create and write",
+                       f"{type(e).__name__}: {e.strerror or e}") from None
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(type(o).__name__)
+
+
+def clean(o):
+    """JSON-safe copy: NaN/inf -> None, numpy -> python, tuples -> lists."""
+    if isinstance(o, dict):
+        return {str(k): clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [clean(v) for v in o]
+    if isinstance(o, (np.floating, float)):
+        f = float(o)
+        return f if math.isfinite(f) else None
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, np.bool_):
+        return bool(o)
+    if isinstance(o, np.ndarray):
+        return clean(o.tolist())
+    if isinstance(o, Path):
+        return str(o)
+    return o
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the bundle
+
+
+def _scope_claims(kv: dict) -> dict[str, set[str]]:
+    """Provenance keys that name tensors (target / scope / tensors / edited / changed) -> set of names."""
+    out = {}
+    for k, v in kv.items():
+        if not k.startswith(names.PROVENANCE_PREFIX):
+            continue
+        short = k[len(names.PROVENANCE_PREFIX):]
+        if short not in ("target", "scope", "tensors", "edited", "changed"):
+            continue
+        vals = v
+        if isinstance(v, str):
+            try:
+                vals = json.loads(v)
+            except ValueError:
+                vals = [v]
+        if isinstance(vals, str):
+            vals = [vals]
+        out[short] = {str(x) for x in vals} if isinstance(vals, list) else {str(vals)}
+    return out
+
+
+def refuse_other_model(base_g, bundle_g, target: str, record) -> None:
+    """L47Error for a bundle (or solve record) made for another model: provenance base hash, record base hash,
+    a tensor whose shape differs from the base's, no target tensor."""
+    basesha = base_g.sha256()
+    for key in (names.PROVENANCE_PREFIX + "overlay_of", names.PROVENANCE_PREFIX + "base_sha256"):
+        v = bundle_g.kv.get(key)
+        if isinstance(v, str) and v and v != basesha:
+            raise L47Error(bundle_g.path, f"metadata {key}", f"the base's sha256 {basesha[:16]}… (a bundle for this "
+                           "model)", f"{v[:16]}… (a bundle for another model)")
+    if record is not None and record.base_sha256 and record.base_sha256 != basesha:
+        raise L47Error(bundle_g.path, "solve record base_sha256", f"{basesha[:16]}… (the base given)",
+                       f"{record.base_sha256[:16]}… (solved against another model)")
+    if target not in bundle_g.tensors:
+        raise L47Error(bundle_g.path, f"tensor {target}", "present (the edited tensor of this model's last layer)",
+                       "missing (a bundle for another model?)")
+    for name, ti in bundle_g.tensors.items():
+        bi = base_g.tensors.get(name)
+        if bi is not None and tuple(bi.shape) != tuple(ti.shape):
+            raise L47Error(bundle_g.path, f"tensor {name}", f"shape {bi.shape} as in the base (a bundle for this "
+                           "model)", f"{ti.shape} (a bundle for another model)")
+
+
+def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
+    """Compare every tensor and metadata key of the bundle with the base; ‖ΔW‖/‖W‖; scope claims.
+    Call `refuse_other_model` first."""
+    from l47.gguf_io import tensors_equal_bytes
+
+    target = w.target
+    bsha = bundle_g.sha256()
+    basesha = base_g.sha256()
+    others, tgt_ts, compared, target_changed = [], [], 0, False
+    for name, ti in bundle_g.tensors.items():
+        if name not in base_g.tensors:
+            others.append(f"{name}: not a tensor of the base")
+            continue
+        bi = base_g.tensors[name]
+        compared += 1
+        if bi.ggml_type != ti.ggml_type:
+            (tgt_ts if name == target else others).append(f"{name}: type {bi.type_name} → {ti.type_name}")
+            target_changed |= name == target
+        elif not tensors_equal_bytes(base_g, bundle_g, name):
+            if name == target:
+                target_changed = True
+            else:
+                others.append(f"{name}: bytes differ")
+    form = "full" if set(base_g.tensors) <= set(bundle_g.tensors) else "overlay"
+    changed_kv, omitted = [], []
+    for k, v in bundle_g.kv.items():
+        if k.startswith(names.PROVENANCE_PREFIX):
+            continue
+        if k not in base_g.kv:
+            changed_kv.append(f"{k}: added")
+        elif v != base_g.kv[k]:
+            changed_kv.append(f"{k}: {str(base_g.kv[k])[:40]!r} → {str(v)[:40]!r}")
+    for k in base_g.kv:
+        if k not in bundle_g.kv:
+            (omitted if form == "overlay" else changed_kv).append(f"{k}: removed" if form == "full" else k)
+    # ΔW of the runtime weights (what the forward uses), f64
+    W0 = w.W_sd.double()
+    dW = W_new.double() - W0
+    dw_fro = float(dW.norm())
+    dw_rel = dw_fro / float(W0.norm())
+    blocks = None
+    if target in bundle_g.tensors and base_g.info(target).ggml_type == bundle_g.info(target).ggml_type:
+        ra, rb = np.asarray(base_g.raw(target)), np.asarray(bundle_g.raw(target))
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            ts = GGML_QUANT_SIZES[GGMLQuantizationType(base_g.info(target).ggml_type)][1]
+            blocks = int((ra.reshape(-1, ts) != rb.reshape(-1, ts)).any(1).sum())
+        except (ValueError, KeyError):
+            blocks = None
+    changed_set = ({target} if target_changed else set()) | {o.split(":")[0] for o in others}
+    claims = _scope_claims(bundle_g.kv)
+    mism = [f"provenance {k} = {sorted(v)} but the tensors changed are {sorted(changed_set)}"
+            for k, v in claims.items() if v != changed_set]
+    if record is not None:
+        if record.target != target:
+            mism.append(f"solve record target {record.target!r} is not the audited target {target!r}")
+        if record.target not in changed_set:
+            mism.append(f"solve record target {record.target!r} did not change")
+        if record.bundle_sha256 and record.bundle_sha256 != bsha:
+            mism.append(f"solve record bundle_sha256 {record.bundle_sha256[:16]}… is not this bundle's {bsha[:16]}… "
+                        "(modified after the solve, or another solve's record)")
+    return {"form": form, "target": target, "compared": compared, "others_changed": others,
+            "target_type_shape": tgt_ts, "target_changed": target_changed, "dw_rel": dw_rel if target_changed else 0.0,
+            "dw_fro": dw_fro, "blocks_changed": blocks, "metadata_changed": changed_kv, "metadata_omitted": omitted,
+            "scope_claims": {k: sorted(v) for k, v in claims.items()}, "scope_mismatches": mism,
+            "sha256": bsha, "base_sha256": basesha}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the solve record: (a), (b), overlap, claims
+
+
+def record_figures(record, record_path, by_sha: dict[str, DocResult], doc_sets: dict[str, dict], pts, thr: float,
+                   vocab, scored_shas: dict[str, str], solver_shas: dict[str, str]) -> dict:
+    from l47.record import TERM_BACKGROUND, TERM_SLOP
+
+    overlap = []
+    # documents the solver's sets hold that are also scored (a copy under another path)
+    for sha, s in solver_shas.items():
+        if sha in scored_shas:
+            overlap.append({"doc_sha256": sha, "scored_set": scored_shas[sha], "in": f"experiment set {s}"})
+    if record is None:
+        return {"present": False, "why": f"no solve record at {record_path}", "overlap": overlap or None}
+    slop = [t for t in record.touched if t.term == TERM_SLOP]
+    bad, non_ev, docs = [], [], {}
+    by_final: dict[int, list[tuple[int, ...]]] = {}
+    for pt in pts:
+        for tup in pt.tuples:
+            by_final.setdefault(int(tup[-1]), []).append(tuple(int(i) for i in tup))
+    for t in slop:
+        d = by_sha.get(t.doc_sha256)
+        item = {"doc_sha256": t.doc_sha256, "pos": t.pos, "token": t.token, "phrase": t.phrase}
+        if d is None:
+            bad.append({**item, "why": "document not among the experiment's documents (cannot be verified)"})
+            continue
+        docs.setdefault(t.doc_sha256, d)
+        if not 0 <= t.pos < d.T:
+            bad.append({**item, "why": f"position outside the document (T = {d.T})"})
+            continue
+        tok = d.tokens
+        ok = int(tok[t.pos + 1]) == int(t.token) and any(
+            t.pos + 1 - (len(u) - 1) >= 0 and tuple(int(x) for x in tok[t.pos + 1 - (len(u) - 1):t.pos + 1]) == u[:-1]
+            for u in by_final.get(int(t.token), []))
+        if not ok:
+            why = ("the target is not the rejected token" if int(tok[t.pos + 1]) != int(t.token) else
+                   "the preceding tokens are not a banned prefix ending in this token")
+            bad.append({**item, "why": why, "context": vocab.decode(tok[max(0, t.pos - 11):t.pos + 1].tolist()),
+                        "target": vocab.decode([int(tok[t.pos + 1])])})
+        cols = list(d.ps.base.set_logp.get("finals", np.zeros((d.T, 0))).shape)
+        if int(tok[t.pos + 1]) == int(t.token):
+            p = math.exp(d.ps.base.logp_target[t.pos])
+        else:
+            p = math.nan
+            fin = sorted(by_final)
+            if int(t.token) in fin and cols[1] == len(fin):
+                p = math.exp(d.ps.base.set_logp["finals"][t.pos, fin.index(int(t.token))])
+        if not (p >= thr):
+            non_ev.append({**item, "p_base": p, "claimed_p": t.base_p})
+    unnatural, training = [], []
+    for sha in docs:
+        info = doc_sets.get(sha, {})
+        training.append({"doc_sha256": sha, "set": info.get("set"), "path": info.get("path")})
+        if info.get("set") != "train":
+            unnatural.append({"doc_sha256": sha, "path": info.get("path"),
+                              "why": f"in set {info.get('set')!r}, not an accepted train document"})
+        elif info.get("refused"):
+            unnatural.append({"doc_sha256": sha, "path": info.get("path"), "why": "; ".join(info.get("reasons", ()))})
+    rec_docs = {i.sha256: f"record input ({i.set})" for i in record.inputs
+                if not (i.set in SCORED_SETS or i.set.startswith("kld."))}
+    for t in record.touched:
+        rec_docs.setdefault(t.doc_sha256, f"record touched ({t.term})")
+    for sha, how in rec_docs.items():
+        if sha in scored_shas:
+            n_pos = sum(1 for t in record.touched if t.doc_sha256 == sha)
+            overlap.append({"doc_sha256": sha, "scored_set": scored_shas[sha], "in": how, "touched_positions": n_pos})
+    bg = [t for t in record.touched if t.term == TERM_BACKGROUND]
+    return {"present": True, "path": str(record_path), "method": record.method, "n_slop": len(slop),
+            "n_terms": {k: sum(1 for t in record.touched if t.term == k) for k in
+                        sorted({t.term for t in record.touched})},
+            "not_prefix_exact": bad, "non_events": non_ev, "unnatural_docs": unnatural, "training_docs": training,
+            "overlap": overlap, "slop_positions": [(t.doc_sha256, t.pos) for t in slop],
+            "background_positions": [(t.doc_sha256, t.pos) for t in bg]}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, bundle: dict) -> dict:
+    """Re-derive the record's claimed figures with the audit's own forward (CLAIM_KEYS) and compare."""
+    from l47.record import TERM_ANCHOR, TERM_SLOP
+
+    if record is None:
+        return {"present": False, "why": rec.get("why")}
+
+    def p_at(pairs, new: bool) -> list[tuple[str, float]]:
+        out = []
+        for sha, pos, phrase in pairs:
+            d = by_sha.get(sha)
+            if d is not None and 0 <= pos < d.T:
+                out.append((phrase, math.exp((d.ps.new if new else d.ps.base).logp_target[pos])))
+        return out
+
+    mine: dict[str, object] = {"dW_rel_norm": bundle.get("dw_rel"), "blocks_changed": bundle.get("blocks_changed"),
+                               "bundle_sha256": bundle.get("sha256")}
+    groups = {"train_p_rejected": [(t.doc_sha256, t.pos, t.phrase) for t in record.touched if t.term == TERM_SLOP],
+              "dev_p_rejected": [(e.doc_sha256, e.pos, e.phrase) for e in dev_events]}
+    for g, pairs in groups.items():
+        b, a = p_at(pairs, False), p_at(pairs, True)
+        if b:
+            mine[f"{g}.before"] = float(np.mean([x for _, x in b]))
+            mine[f"{g}.after"] = float(np.mean([x for _, x in a]))
+            mine[f"{g}.n"] = float(len(pairs))
+            for ph in {p for p, _ in b}:
+                mine[f"{g}.per_phrase_before.{ph}"] = float(np.mean([x for p, x in b if p == ph]))
+                mine[f"{g}.per_phrase_after.{ph}"] = float(np.mean([x for p, x in a if p == ph]))
+    bg = [by_sha[s].ps.kld[p] for s, p in rec.get("background_positions", []) if s in by_sha and 0 <= p < by_sha[s].T]
+    if bg:
+        mine["background_kl_exact"] = float(np.mean(bg))
+    an = [(t.doc_sha256, t.pos) for t in record.touched if t.term == TERM_ANCHOR]
+    dl = [abs(by_sha[s].ps.dlogp[p]) for s, p in an if s in by_sha and 0 <= p < by_sha[s].T]
+    if an:
+        mine["anchors.n"] = float(len(an))
+        mine["anchors.max_abs_dlogp_shipped"] = float(max(dl)) if dl else None
+    compared, mism, not_re = {}, [], []
+    for k0, v in sorted(_flatten(record.claims).items()):
+        k = CLAIM_ALIASES.get(k0, k0)
+        a = mine.get(k)
+        if a is None or isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            not_re.append(k0)
+            continue
+        if isinstance(a, str) or isinstance(v, str):
+            ok = str(a) == str(v)
+        else:
+            ok = abs(float(v) - float(a)) <= CLAIM_TOL_ABS + CLAIM_TOL_REL * abs(float(a))
+        generic = k.split(".per_phrase_")[0] + (".per_phrase_" + k.split(".per_phrase_")[1].split(".")[0] + ".<phrase>"
+                                                if ".per_phrase_" in k else "")
+        compared[k0] = {"claimed": v, "rederived": a, "ok": ok,
+                        "definition": CLAIM_KEYS.get(generic, CLAIM_KEYS.get(k, ""))}
+        if not ok:
+            mism.append(k0)
+    # the base p each record term claims at its position
+    bad_p = 0
+    for t in record.touched:
+        if t.base_p is None or t.doc_sha256 not in by_sha:
+            continue
+        d = by_sha[t.doc_sha256]
+        if 0 <= t.pos < d.T and int(d.tokens[t.pos + 1]) == int(t.token):
+            p = math.exp(d.ps.base.logp_target[t.pos])
+            if abs(p - t.base_p) > CLAIM_TOL_ABS + CLAIM_TOL_REL * p:
+                bad_p += 1
+    if bad_p:
+        mism.append(f"touched.base_p ({bad_p} positions)")
+    return {"present": True, "compared": compared, "mismatched": mism, "not_rederived": not_re, "rederived": mine}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# engine-level checks
+
+
+def _engine_figures(args, w, W_new, by_sha: dict[str, DocResult], doc_paths: dict[str, str], device) -> dict:
+    """Edited-engine dumps (made by the engine running the transplanted bundle) matched to experiment documents
+    by token sequence: their log p vs the tail forward's edited prediction, and engine-level KLD where both
+    dumps hold ref_logits, beside the floor KL(engine base ‖ exact forward base)."""
+    from l47.dumps import read_dump
+    from l47.forward import head_chunk, mix_of_dump
+    from l47.weights import check_dump_dims
+
+    if not args.engine_dumps:
+        return {}
+    by_tokens = {d.tokens.tobytes(): d for d in by_sha.values()}
+    zp, kld_sets = {}, {}
+    acc: dict[str, dict[str, list]] = {}
+    for p in args.engine_dumps:
+        e = read_dump(p)
+        check_dump_dims(w, e.meta, str(p))
+        d = by_tokens.get(np.asarray(e.tokens, dtype=np.int64).tobytes())
+        if d is None:
+            raise L47Error(p, "tokens", "the token sequence of one of the experiment's documents (an engine run on "
+                           "the transplanted bundle over the same text)", "no match")
+        if e.ref_logp is not None:
+            ln = d.ps.new.logp_target
+            rel = np.abs(np.asarray(e.ref_logp, np.float64) - ln) / np.maximum(1.0, np.abs(ln))
+            zp[str(p)] = {"doc": d.path, "max_rel": float(rel.max()), "mean_abs": float(np.abs(e.ref_logp - ln).mean())}
+        if e.ref_logits is not None:
+            b = read_dump(doc_paths[d.sha256])
+            if b.ref_logits is None:
+                continue
+            kl_e = _kl_rows(np.asarray(b.ref_logits), np.asarray(e.ref_logits))  # [T]
+            import torch
+
+            with torch.no_grad():
+                mix = mix_of_dump(b, w)  # [T, n]
+                floor = []
+                for r0 in range(0, b.T, 64):
+                    z = head_chunk(mix[r0:r0 + 64], w, 0, w.V).double().cpu().numpy()  # [t, V]
+                    floor.append(_kl_rows(np.asarray(b.ref_logits[r0:r0 + 64]), z))
+            a = acc.setdefault(d.set, {"kld": [], "floor": [], "tail": []})
+            a["kld"].append(kl_e)
+            a["floor"].append(np.concatenate(floor))
+            a["tail"].append(d.ps.kld)
+    for s, a in acc.items():
+        kld_sets[s] = {"kld": float(np.concatenate(a["kld"]).mean()), "floor": float(np.concatenate(a["floor"]).mean()),
+                       "tail_kld": float(np.concatenate(a["tail"]).mean())}
+    return {"zero_proxy_edited": zp, "kld": kld_sets}
+
+
+def _kl_rows(za: np.ndarray, zb: np.ndarray) -> np.ndarray:
+    """KL(softmax(za) ‖ softmax(zb)) per row, f64 ([t, V] each, any float dtype)."""
+    za = np.asarray(za, dtype=np.float64)
+    zb = np.asarray(zb, dtype=np.float64)
+    la = za - za.max(1, keepdims=True)
+    la -= np.log(np.exp(la).sum(1, keepdims=True))
+    lb = zb - zb.max(1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(1, keepdims=True))
+    return np.maximum((np.exp(la) * (la - lb)).sum(1), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# penalty simulation over the scored documents
+
+
+def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
+    from l47.evals.penalty import FORM_LAST, FORM_SEED, extra_hits, penalty_mask, simulate
+
+    finals = list(spec.finals)
+    sims, per_set = {}, {}
+    unchanged, pen_rows, max_abs_alone, max_abs_stacked = 0, 0, 0.0, 0.0
+    extra = {FORM_LAST: {"positions": 0, "pairs": 0, "target_hit": 0, "dlogp_target": [], "kld": [], "examples": []},
+             FORM_SEED: {"positions": 0, "pairs": 0, "target_hit": 0, "dlogp_target": [], "kld": [], "examples": []}}
+    for d in docs:
+        m = penalty_mask(d.tokens, spec)  # [T, F]
+        alone = simulate(d.ps.base, d.targets, m, finals, spec.bias)
+        stacked = simulate(d.ps.new, d.targets, m, finals, spec.bias, base=d.ps.base, kld_base_stats=d.ps.kld)
+        sims[d.sha256] = {"alone": alone, "stacked": stacked}
+        off = ~m.any(1)
+        unchanged += int(off.sum())
+        pen_rows += int((~off).sum())
+        if off.any():
+            max_abs_alone = max(max_abs_alone, float(np.abs(alone.logp_target[off] - d.ps.base.logp_target[off]).max()))
+            max_abs_stacked = max(max_abs_stacked,
+                                  float(np.abs(stacked.logp_target[off] - d.ps.new.logp_target[off]).max()))
+        ps = per_set.setdefault(d.set, {"kl": [], "rows": 0})
+        ps["kl"].append(alone.kld_vs_base)
+        ps["rows"] += int((~off).sum())
+        for form, e in extra.items():
+            h, cm = extra_hits(d.tokens, spec, form, m)
+            e["positions"] += h.positions
+            e["pairs"] += h.pairs
+            e["target_hit"] += h.target_hit
+            rows = (cm & ~m).any(1)
+            if rows.any():
+                cs = simulate(d.ps.base, d.targets, cm, finals, spec.bias)
+                e["dlogp_target"].append(cs.logp_target[rows] - d.ps.base.logp_target[rows])
+                e["kld"].append(cs.kld_vs_base[rows])
+                for t in np.flatnonzero(rows)[:max(0, 5 - len(e["examples"]))].tolist():
+                    e["examples"].append({"doc": d.path, "pos": t,
+                                          "context": vocab.decode(d.tokens[max(0, t - 8):t + 1].tolist()),
+                                          "target": vocab.decode([int(d.targets[t])]),
+                                          "dlogp_target": float(cs.logp_target[t] - d.ps.base.logp_target[t])})
+    for e in extra.values():
+        x = np.concatenate(e.pop("dlogp_target")) if e["dlogp_target"] else np.zeros(0)
+        k = np.concatenate(e.pop("kld")) if e["kld"] else np.zeros(0)
+        e["mean_dlogp_target"] = float(x.mean()) if x.size else None
+        e["min_dlogp_target"] = float(x.min()) if x.size else None
+        e["mean_kld"] = float(k.mean()) if k.size else None
+    rules = [{"phrase": r.phrase, "prefix": list(r.prefix), "token": r.token,
+              "text": vocab.decode(list(r.prefix) + [r.token])} for r in spec.rules]
+    fig = {"bias": spec.bias, "form": spec.form, "rules": rules,
+           "penalised_rows": pen_rows, "unchanged_rows": unchanged,
+           "unchanged_max_abs_dlogp_alone": max_abs_alone, "unchanged_max_abs_dlogp_stacked": max_abs_stacked,
+           "kld_alone_per_set": {s: {"mean": float(np.concatenate(v["kl"]).mean()), "penalised_rows": v["rows"]}
+                                 for s, v in per_set.items()},
+           "cheap_forms": extra}
+    return fig, sims
+
+
+# ----------------------------------------------------------------------------------------------------------
+# blind pre-checks
+
+
+def _read_dev_report(path: Path) -> dict:
+    try:
+        rep = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise L47Error(path, "dev report", "the report.json of the dev audit", "nothing") from None
+    except ValueError as e:
+        raise L47Error(path, "dev report", "valid JSON", str(e)) from None
+    if rep.get("schema") != AUDIT_SCHEMA or rep.get("mode") != B.MODE_DEV:
+        raise L47Error(path, "schema / mode", f"{AUDIT_SCHEMA} of a dev audit", f"{rep.get('schema')!r} / "
+                       f"{rep.get('mode')!r}")
+    try:
+        rep["inputs"]["bundle"]["sha256"]
+    except (KeyError, TypeError):
+        raise L47Error(path, "inputs.bundle.sha256", "the audited bundle's hash", "missing") from None
+    if (rep.get("slop") or {}).get("heldout", {}).get("residual_ratio") is None:
+        raise L47Error(path, "slop.heldout.residual_ratio", "the dev held-out residual ratio", "missing")
+    return rep
+
+
+def _blind_prechecks(args, bsha: str, record, exp, ledgers: list[Path], special_ids) -> tuple[dict, str]:
+    """Everything that must hold before the blind document is scored. Returns (dev report, blind doc sha)."""
+    from l47.dumps import read_dump
+    from l47.dumps.select import chat_structure
+    from l47.ledger import read_ledger
+
+    if args.dev_report is None:
+        raise L47Error("audit", "--dev", "the dev report (report.json) of the same bundle with --blind", "none")
+    dev = _read_dev_report(args.dev_report)
+    dsha = dev["inputs"]["bundle"]["sha256"]
+    if dsha != bsha:
+        raise L47Error(args.bundle, "sha256", f"{dsha} (the bundle the dev report audited, untouched since)",
+                       f"{bsha} (the bundle changed: the blind sign-off needs the untouched dev-audited bundle)")
+    if not Path(args.blind).is_file():
+        raise L47Error(args.blind, "blind document", "an existing dump file", "missing")
+    doc = _file_sha(args.blind)
+    seen = []
+    for lp in ledgers:
+        for e in read_ledger(lp):
+            if e.doc_sha256 == doc:
+                seen.append(f"ledger {lp}: scored by `{e.command}` against {e.bundle_sha256[:12]}…")
+    for d in dev.get("inputs", {}).get("documents", []):
+        if d.get("sha256") == doc:
+            seen.append(f"dev report: scored in set {d.get('set')!r}")
+    if record is not None:
+        used = {i.sha256 for i in record.inputs if i.set != "blind"} | {t.doc_sha256 for t in record.touched}
+        if doc in used:
+            seen.append("solve record: an input of the solver")
+    for s, p in exp.documents():
+        if s != "blind" and p.is_file() and _file_sha(p) == doc:
+            seen.append(f"experiment: listed in set {s!r}")
+    if seen:
+        raise L47Error(args.blind, "blind document", "a document never scored before (blind: scored once)",
+                       "; ".join(seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else ""))
+    d = read_dump(args.blind)
+    cs = chat_structure(d.tokens, d.role, special_ids)
+    lacks = [n for n, v in (("turns", cs.n_turns), ("a <think> block", cs.n_think),
+                            ("terminal positions", cs.n_terminal)) if not v]
+    if lacks:
+        raise L47Error(args.blind, "blind document", "a chat with turns, a <think> block and real turn ends",
+                       "no " + ", no ".join(lacks))
+    return dev, doc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# evidence for the bars: the dev audit and the blind sign-off
+
+
+def _dev_evidence(args, exp, sets_rep, record, rpath, accepted, pts, w, W_new, doc_paths, *, th, bundle, by_sha,
+                  vocab, special_ids, sims, kld, proxy, flips, turn_ends, pen_fig) -> tuple[B.Evidence, dict]:
+    heldout = list(sets_rep.heldout_events())
+    chat_ho = [d for d in accepted if d.set == "chat_heldout"]
+    scored_shas, solver_shas = {}, {}
+    for dr in sets_rep.docs:
+        if dr.set in SCORED_SETS or dr.set.startswith("kld."):
+            scored_shas.setdefault(dr.sha256, dr.set)
+        elif dr.set in SOLVER_SETS:
+            solver_shas.setdefault(dr.sha256, dr.set)
+    for p in exp.sets.get("blind", ()):
+        scored_shas.setdefault(_file_sha(p), "blind")
+    doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
+                for dr in sets_rep.docs}
+    rec = record_figures(record, rpath, by_sha, doc_sets, pts, th.non_event_p, vocab, scored_shas, solver_shas)
+    n_ev = {s: sum(1 for e in sets_rep.events if e.set == s) for s in ("train", "dev", "heldout")}
+    tot = sum(n_ev.values())
+    split = {"events": n_ev, "heldout_frac": (n_ev["heldout"] / tot) if tot else None, "split": sets_rep.split}
+    slop = slop_figures(heldout, by_sha, vocab, special_ids, sims)
+    coll = collateral_figures([c for c in sets_rep.collateral if c.set == "collateral_eval"], by_sha, vocab,
+                              th.collateral_below)
+    claims = claims_figures(record, rec, by_sha, [e for e in sets_rep.events if e.set == "dev"], bundle)
+    engine = _engine_figures(args, w, W_new, by_sha, doc_paths, args.device)
+    special = special_mass_figures(sets_rep.events, by_sha)
+    ordinary = ordinary_figures(chat_ho, special_ids)
+    ev = B.Evidence(thresholds=th, mode=B.MODE_DEV, bundle=bundle, record=rec, proxy=proxy, split=split, slop=slop,
+                    claims=claims, collateral=coll, kld=kld, engine=engine, flips=flips, turn_ends=turn_ends,
+                    special_mass=special, ordinary=ordinary)
+    figures = {"bundle": bundle, "proxy": proxy, "record": rec, "split": split, "claims": claims,
+               "slop": {"heldout": slop, "per_set": _slop_per_set(sets_rep.events, by_sha, vocab, special_ids, sims)},
+               "non_events": [{"set": e.set, "doc": e.doc, "pos": e.pos, "phrase": e.phrase, "p_base": e.p_base}
+                              for e in sets_rep.non_events],
+               "collateral": coll, "kld": kld, "engine": engine,
+               "chat": {"flips": flips, "turn_ends": turn_ends, "special_mass": special, "ordinary": ordinary},
+               "penalty": pen_fig, "sets_warnings": list(sets_rep.warnings)}
+    return ev, figures
+
+
+def _blind_evidence(d0: DocResult, pts, dev_rep, bsha, blind_sha, ledgers, *, th, bundle, by_sha, vocab,
+                    special_ids, sims, kld, proxy, flips, turn_ends, pen_fig) -> tuple[B.Evidence, dict]:
+    from l47.dumps.select import find_events
+    from l47.sets import EventRecord
+
+    evs = []
+    for e in find_events(d0.tokens, pts, d0.role):
+        p = math.exp(d0.ps.base.logp_target[e.pos])
+        if p >= th.non_event_p:
+            evs.append(EventRecord("blind", d0.path, d0.sha256, e.pos, e.phrase, tuple(e.tuple), e.final, p,
+                                   names.ROLES[e.role], e.in_context_copy))
+    slop = slop_figures(evs, by_sha, vocab, special_ids, sims)
+    ordinary = ordinary_figures([d0], special_ids)
+    dev_ho = dev_rep["slop"]["heldout"]
+    dev_after = dev_ho.get("p_after")
+    blind = {"bundle_sha256": bsha, "dev_bundle_sha256": dev_rep["inputs"]["bundle"]["sha256"],
+             "doc_sha256": blind_sha, "never_scored": True, "ledgers": [str(p) for p in ledgers],
+             "slop": slop, "flips": flips, "turn_ends": turn_ends, "special_mass": special_mass_figures(evs, by_sha),
+             "ordinary": ordinary, "dev_residual_ratio": dev_ho["residual_ratio"],
+             "absolute_residual_vs_dev": (slop["p_after"] / dev_after) if slop.get("p_after") and dev_after else None,
+             "comparisons": _blind_comparisons(slop, ordinary, flips, turn_ends, dev_rep, th)}
+    ev = B.Evidence(thresholds=th, mode=B.MODE_BLIND, bundle=bundle, proxy=proxy, blind=blind)
+    return ev, {"bundle": bundle, "blind": blind, "kld": kld, "proxy": proxy, "penalty": pen_fig}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the audit
+
+
+def run_audit(args: AuditArgs, console=None) -> AuditReport:
+    """Audit a bundle against its base on the experiment's documents (or sign off on a blind document).
+    Returns the report; `exit_code` is 0 only when every applicable bar passes. Bad input raises L47Error
+    before any report file is written."""
+    from l47.dumps import read_dump
+    from l47.dumps.select import phrases_to_tuples
+    from l47.experiment import load_experiment
+    from l47.gguf_io import open_gguf
+    from l47.ledger import LEDGER_NAME, append_ledger, read_ledger
+    from l47.record import read_record, record_path_for
+    from l47.score import edited_weight
+    from l47.evals.kld_stats import kld_stats_of_pairs
+    from l47.evals.penalty import make_spec
+    from l47.sets import build_sets
+    from l47.weights import check_dump_dims, load_tail_weights
+    from l47.evals.report import write_reports
+
+    out = Path(args.out_dir)
+    blind_mode = args.blind is not None
+    mode = B.MODE_BLIND if blind_mode else B.MODE_DEV
+    _check_out_dir(out)
+    exp = load_experiment(args.experiment)
+    th = exp.thresholds
+    ledger = Path(args.ledger) if args.ledger is not None else out / LEDGER_NAME
+    read_ledger(ledger)  # a corrupt ledger is refused now, not after the scoring
+
+    base_g, bundle_g = open_gguf(args.base), open_gguf(args.bundle)
+    rpath = Path(args.record) if args.record is not None else record_path_for(args.bundle)
+    record = read_record(rpath) if rpath.is_file() else None
+    w = load_tail_weights(base_g, policy=args.policy, device=args.device)
+    refuse_other_model(base_g, bundle_g, w.target, record)
+    W_new, bsha = edited_weight(w, args.bundle, args.device)
+    bundle = bundle_figures(base_g, bundle_g, w, W_new, record)
+    vocab = load_vocab(exp, base_g, w.V)
+    notes: list[str] = []
+    if exp.policy != args.policy:
+        notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
+
+    dev_rep, blind_sha, ledgers = None, None, [ledger]
+    if blind_mode:
+        # the dev report's ledger too: a blind document scored once is refused everywhere after
+        dev_ledger = None
+        if args.dev_report is not None and Path(args.dev_report).is_file():
+            try:
+                dl = json.loads(Path(args.dev_report).read_text()).get("inputs", {}).get("ledger")
+                dev_ledger = Path(dl) if dl else None
+            except ValueError:
+                dev_ledger = None
+        if dev_ledger is not None and dev_ledger.resolve() != ledger.resolve():
+            read_ledger(dev_ledger)
+            ledgers.append(dev_ledger)
+        dev_rep, blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids)
+
+    # --- sets: events, collateral, splits (the experiment's own selection rules; blind documents untouched)
+    exp_nb = replace(exp, sets={k: v for k, v in exp.sets.items() if k != "blind"})
+    if blind_mode:
+        pts, _ = phrases_to_tuples(exp.phrases, vocab)
+        sets_rep = None
+    else:
+        sets_rep = build_sets(exp_nb, w, vocab=vocab, device=args.device)
+        pts = phrase_tuples_of(sets_rep)
+    finals = sorted({int(t[-1]) for pt in pts for t in pt.tuples})
+    special_ids = dict(vocab.special_ids)
+    spec = make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name)
+
+    # --- score documents
+    docs: list[DocResult] = []
+    doc_paths: dict[str, str] = {}
+    if blind_mode:
+        d = read_dump(args.blind)
+        check_dump_dims(w, d.meta, str(args.blind))
+        docs.append(score_document(w, W_new, d, "blind", pts, special_ids, finals))
+        doc_paths[d.sha256] = str(args.blind)
+    else:
+        for dr in sets_rep.docs:
+            d = read_dump(dr.path)
+            check_dump_dims(w, d.meta, dr.path)
+            docs.append(score_document(w, W_new, d, dr.set, pts, special_ids, finals, dr.refused, dr.reasons))
+            doc_paths[d.sha256] = dr.path
+            if d.meta.model not in (w.model_sha256,) and not str(d.meta.model).startswith("hf:"):
+                notes.append(f"{dr.path}: dumped from model {str(d.meta.model)[:12]}…, audited under "
+                             f"{w.model_sha256[:12]}…")
+    by_sha: dict[str, DocResult] = {}
+    for d in docs:
+        by_sha.setdefault(d.sha256, d)
+    accepted = [d for d in docs if not d.refused]
+    for d in docs:
+        if not d.verified:
+            notes.append(f"{d.path}: unverified (no ref_logp in the dump: the zero-proxy check was not run)")
+
+    # --- figures
+    kld = {}
+    for s in dict.fromkeys(d.set for d in accepted):
+        st = kld_stats_of_pairs([d.ps for d in accepted if d.set == s])
+        kld[s] = st.to_dict() if st else None
+    proxy = proxy_figures(accepted, w.V, th.ce_proxy_frac, th.zero_proxy_tol)
+    flips = flip_figures(accepted, vocab, special_ids)
+    turn_ends = turn_end_figures(accepted, special_ids)
+    pen_fig, sims = _penalty_figures(spec, accepted, vocab)
+
+    common = dict(th=th, bundle=bundle, by_sha=by_sha, vocab=vocab, special_ids=special_ids, sims=sims, kld=kld,
+                  proxy=proxy, flips=flips, turn_ends=turn_ends, pen_fig=pen_fig)
+    if blind_mode:
+        ev, figures = _blind_evidence(docs[0], pts, dev_rep, bsha, blind_sha, ledgers, **common)
+    else:
+        ev, figures = _dev_evidence(args, exp, sets_rep, record, rpath, accepted, pts, w, W_new, doc_paths, **common)
+    bar_list = B.evaluate(ev, mode)
+    passed = all(b.passed for b in bar_list)
+
+    # --- ledger: every document scored here, against this bundle (the blind one is burned from now on)
+    for lp in ledgers:
+        append_ledger(lp, [(d.sha256, bsha) for d in docs], "audit")
+
+    inputs = {
+        "bundle": {"path": str(args.bundle), "sha256": bsha},
+        "base": {"path": str(args.base), "sha256": w.model_sha256},
+        "experiment": {"path": str(args.experiment), "sha256": _file_sha(args.experiment)},
+        "record": {"path": str(rpath), "sha256": _file_sha(rpath)} if record is not None else None,
+        "dev_report": {"path": str(args.dev_report), "sha256": _file_sha(args.dev_report)} if dev_rep else None,
+        "blind": {"path": str(args.blind), "sha256": blind_sha} if blind_mode else None,
+        "engine_dumps": [{"path": str(p), "sha256": _file_sha(p)} for p in args.engine_dumps],
+        "documents": [{"path": d.path, "sha256": d.sha256, "set": d.set, "doc_id": d.doc_id, "T": d.T,
+                       "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in docs],
+        "ledger": str(ledger), "policy": args.policy, "device": args.device, "vocab": vocab.name,
+    }
+    report = clean({
+        "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": mode, "passed": passed,
+        "exit_code": 0 if passed else 1, "inputs": inputs,
+        "thresholds": {**th.to_dict(), "penalty_bias": args.penalty_bias},
+        "bars": [b.to_dict() for b in bar_list], **figures, "notes": notes,
+    })
+    files = write_reports(out, report, docs, vocab, special_ids, sims, plots=args.plots)
+    res = AuditReport(passed, 0 if passed else 1, mode, tuple(bar_list), str(out), files, bsha, report)
+    if console is not None:
+        print_summary(res, console)
+    return res
+
+
+def _slop_per_set(events, by_sha, vocab, special_ids, sims) -> dict:
+    out = {}
+    for s in dict.fromkeys(e.set for e in events):
+        f = slop_figures([e for e in events if e.set == s], by_sha, vocab, special_ids, sims)
+        f.pop("events", None)
+        out[s] = f
+    return out
+
+
+def _blind_comparisons(slop, ordinary, flips, turn_ends, dev, th) -> list[dict]:
+    """Each blind figure beside the dev report's, with its definition (seed §6.3's table)."""
+    dchat = dev.get("chat", {})
+    dslop = dev.get("slop", {}).get("heldout", {})
+
+    def row(name, b, d, definition):
+        ratio = (b / d) if (isinstance(b, (int, float)) and isinstance(d, (int, float)) and d) else None
+        return {"figure": name, "blind": b, "dev": d, "blind/dev": ratio, "definition": definition}
+
+    return [
+        row("slop residual ratio", slop.get("residual_ratio"), dslop.get("residual_ratio"),
+            f"mean p(rejected) after / before at slop events; bar: blind ≤ {th.blind_residual_factor:g} × dev"),
+        row("slop p before", slop.get("p_before"), dslop.get("p_before"), "mean base p(rejected) at slop events"),
+        row("slop p after", slop.get("p_after"), dslop.get("p_after"), "mean bundle p(rejected) at slop events"),
+        row("(g) non-slop KLD", ordinary.get("kld"), dchat.get("ordinary", {}).get("kld"),
+            f"mean KL(base ‖ bundle) away from slop; bar ≤ {th.chat_kld:g}"),
+        row("(g) ordinary Δlog p", ordinary.get("mean_dlogp"), dchat.get("ordinary", {}).get("mean_dlogp"),
+            f"mean Δlog p(target), non-slop non-special targets; bar ≥ {th.chat_ordinary_dlogp:g}"),
+        row("(f) flips to a special token", flips.get("damage"), dchat.get("flips", {}).get("damage"),
+            "argmax flips to a special token at non-terminal assistant/think/user positions; bar = 0"),
+        row("(f) Δlog p(<|im_end|>) at turn ends", turn_ends.get("mean_dlogp"),
+            dchat.get("turn_ends", {}).get("mean_dlogp"), f"bar ≥ {th.im_end_dlogp:g}"),
+    ]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def print_summary(res: AuditReport, console) -> None:
+    """One screen: PASS/FAIL per bar with the figure behind it."""
+    from rich.table import Table
+
+    r = res.report
+    t = Table(title=f"l47 audit ({res.mode}) — bundle {res.bundle_sha256[:12]}… — "
+                    + ("[bold green]PASS[/]" if res.passed else "[bold red]FAIL[/]"), show_lines=False)
+    for c in ("bar", "value", "", "threshold", "status"):
+        t.add_column(c, justify="left" if c in ("bar", "status") else "right")
+    for b in res.bars:
+        st = {"PASS": "[green]PASS[/]", "FAIL": "[bold red]FAIL[/]", "n/a": "[dim]n/a[/]"}[b.status]
+        t.add_row(b.name, _fmt(b.value), b.direction, _fmt(b.threshold), st)
+    console.print(t)
+    ho = (r.get("slop") or {}).get("heldout") if res.mode == B.MODE_DEV else (r.get("blind") or {}).get("slop")
+    if ho and ho.get("n"):
+        console.print(f"slop p(rejected) {ho['p_before']:.4f} → {ho['p_after']:.4f} over {ho['n']} events "
+                      f"({100 * (ho.get('reduction') or 0):.1f} % reduction)", highlight=False)
+    for b in res.bars:
+        if not b.passed and "why" in b.details:
+            console.print(f"[red]{b.name}[/]: {b.details['why']}", highlight=False)
+    for n in (r.get("notes") or [])[:5]:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+    console.print(f"report: {res.files.get('report.md')}  (json, tsv, plots in {res.out_dir})", highlight=False)

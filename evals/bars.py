@@ -1,0 +1,486 @@
+"""The audit's bars as data: a registry of small named checks, each with a declared direction, threshold,
+aggregation and definition (lm-evaluation-harness style), evaluated on the audit's `Evidence`.
+
+A bar function reads figures that `l47.evals.audit` computed (exact tail forward, see l47.evals.metrics) and
+returns a `Measure` (value + details); the registry turns it into a `Bar(name, value, threshold, direction,
+passed, details)`. A bar with no data FAILS ("no evidence is not a pass"), except the few declared
+`optional` (e.g. engine-level checks where no engine run on the bundle exists), which are marked n/a.
+
+Thresholds come from the experiment file (`l47.experiment.Thresholds`, the seed's defaults) or are derived
+from other figures (named in the bar's `threshold_from`); the report prints every threshold used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from l47.errors import L47Error
+
+GE, LE = ">=", "<="
+DIRECTIONS = (GE, LE)
+MODE_DEV = "dev"
+MODE_BLIND = "blind"
+MODE_BOTH = "both"
+
+
+@dataclass(frozen=True)
+class Bar:
+    name: str
+    value: float | None
+    threshold: float | None
+    direction: str
+    passed: bool
+    details: dict = field(default_factory=dict)
+    family: str = ""
+    definition: str = ""
+    aggregation: str = ""
+    threshold_from: str = ""
+    applicable: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def status(self) -> str:
+        return "n/a" if not self.applicable else ("PASS" if self.passed else "FAIL")
+
+
+@dataclass(frozen=True)
+class Measure:
+    value: float | None
+    details: dict = field(default_factory=dict)
+    applicable: bool = True
+    threshold: float | None = None  # overrides the declared threshold (derived ones)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Every figure the bars read (plain dicts, JSON-able). Missing figures are empty dicts."""
+
+    thresholds: object  # l47.experiment.Thresholds
+    mode: str = MODE_DEV
+    bundle: dict = field(default_factory=dict)
+    record: dict = field(default_factory=dict)
+    proxy: dict = field(default_factory=dict)
+    split: dict = field(default_factory=dict)
+    slop: dict = field(default_factory=dict)  # held-out events
+    claims: dict = field(default_factory=dict)
+    collateral: dict = field(default_factory=dict)
+    kld: dict = field(default_factory=dict)  # set name -> KldStats dict
+    engine: dict = field(default_factory=dict)
+    flips: dict = field(default_factory=dict)
+    turn_ends: dict = field(default_factory=dict)
+    special_mass: dict = field(default_factory=dict)
+    ordinary: dict = field(default_factory=dict)
+    blind: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BarDef:
+    name: str
+    family: str
+    direction: str
+    threshold: str | None  # a Thresholds field, or None when the Measure carries a derived threshold
+    aggregation: str
+    definition: str
+    fn: Callable[[Evidence], Measure | dict[str, Measure]]
+    mode: str = MODE_DEV
+    optional: bool = False  # no data -> n/a instead of FAIL
+    threshold_from: str = ""
+
+
+REGISTRY: dict[str, BarDef] = {}
+
+
+def register(name: str, *, family: str, direction: str, threshold: str | None, aggregation: str, definition: str,
+             mode: str = MODE_DEV, optional: bool = False, threshold_from: str = ""):
+    """Decorator: add a bar function to the registry (names are unique)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"bar {name}: direction {direction!r}")
+
+    def deco(fn):
+        if name in REGISTRY:
+            raise ValueError(f"bar {name} registered twice")
+        REGISTRY[name] = BarDef(name, family, direction, threshold, aggregation, definition, fn, mode, optional,
+                                threshold_from or (f"thresholds.{threshold}" if threshold else ""))
+        return fn
+
+    return deco
+
+
+def compare(value: float | None, threshold: float | None, direction: str) -> bool:
+    if value is None or threshold is None or (isinstance(value, float) and math.isnan(value)):
+        return False
+    return value >= threshold if direction == GE else value <= threshold
+
+
+def evaluate(ev: Evidence, mode: str | None = None) -> list[Bar]:
+    """Run every registered bar for this mode (dev audit or blind sign-off), in registration order."""
+    mode = mode or ev.mode
+    out: list[Bar] = []
+    for bd in REGISTRY.values():
+        if bd.mode not in (mode, MODE_BOTH):
+            continue
+        res = bd.fn(ev)
+        items = res.items() if isinstance(res, dict) else [("", res)]
+        for suffix, m in items:
+            thr = m.threshold if m.threshold is not None else (
+                getattr(ev.thresholds, bd.threshold) if bd.threshold else None)
+            applicable = m.applicable and not (bd.optional and m.value is None)
+            passed = compare(m.value, thr, bd.direction) if applicable else True
+            det = dict(m.details)
+            if applicable and m.value is None:
+                det.setdefault("why", "no data: the evidence this bar needs is missing")
+            out.append(Bar(bd.name + (f".{suffix}" if suffix else ""), m.value, thr, bd.direction, passed, det,
+                           bd.family, bd.definition, bd.aggregation, bd.threshold_from, applicable))
+    return out
+
+
+def thresholds_used(bars: list[Bar]) -> dict[str, float | None]:
+    return {b.name: b.threshold for b in bars}
+
+
+def _need(d: dict, key: str, where: str):
+    if key not in d:
+        raise L47Error("audit", where, f"figure {key!r}", "missing (internal: evidence incomplete)")
+    return d[key]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bundle (seed §5, §6: 47/48 tensors byte-identical, only blk.47.ffn_down_shexp differs)
+
+
+@register("bundle.only_target", family="bundle", direction=LE, threshold=None, mode=MODE_BOTH,
+          aggregation="count over every tensor of the bundle",
+          definition="tensors other than layer L's ffn_down_shexp that differ from the base (bytes, type or "
+                     "shape), plus a target whose type or shape changed; must be 0")
+def _bundle_only_target(ev: Evidence) -> Measure:
+    b = ev.bundle
+    bad = list(b.get("others_changed", [])) + list(b.get("target_type_shape", []))
+    det = {"changed": bad, "target": b.get("target"), "compared": b.get("compared"), "form": b.get("form")}
+    return Measure(float(len(bad)) if b else None, det, threshold=0.0)
+
+
+@register("bundle.target_edited", family="bundle", direction=GE, threshold=None, mode=MODE_BOTH,
+          aggregation="one tensor", definition="the target tensor differs from the base (a no-op bundle edits "
+          "nothing); value = ‖ΔW‖/‖W‖ of the runtime (dequantised) weights, must be > 0")
+def _bundle_target_edited(ev: Evidence) -> Measure:
+    b = ev.bundle
+    return Measure(b.get("dw_rel"), {"target": b.get("target"), "blocks_changed": b.get("blocks_changed"),
+                                     "dw_fro": b.get("dw_fro")}, threshold=1e-12)
+
+
+@register("bundle.metadata", family="bundle", direction=LE, threshold=None, mode=MODE_BOTH,
+          aggregation="count over metadata keys",
+          definition="metadata keys changed or added, other than provenance keys (l47.provenance.*); overlays may "
+                     "leave base keys out")
+def _bundle_metadata(ev: Evidence) -> Measure:
+    b = ev.bundle
+    bad = b.get("metadata_changed")
+    return Measure(None if bad is None else float(len(bad)), {"changed": bad, "omitted": b.get("metadata_omitted")},
+                   threshold=0.0)
+
+
+@register("bundle.scope", family="bundle", direction=LE, threshold=None, mode=MODE_BOTH,
+          aggregation="count of claims",
+          definition="scope claims (provenance target/scope/tensors keys, the solve record's target, base and "
+                     "bundle sha256) that disagree with the tensors actually changed and the files audited")
+def _bundle_scope(ev: Evidence) -> Measure:
+    b = ev.bundle
+    bad = b.get("scope_mismatches")
+    return Measure(None if bad is None else float(len(bad)), {"mismatches": bad, "claims": b.get("scope_claims")},
+                   threshold=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# not a proxy (seed §3: the proxy sat at 12.08 nats ≈ ln V)
+
+
+@register("proxy.base_ce", family="not a proxy", direction=LE, threshold=None, mode=MODE_BOTH,
+          aggregation="max over scored documents of the mean over content targets",
+          threshold_from="thresholds.ce_proxy_frac · ln V",
+          definition="base CE of the exact tail forward on the natural documents; a proxy sits near ln V")
+def _proxy_ce(ev: Evidence) -> Measure:
+    p = ev.proxy
+    return Measure(p.get("ce_max"), {"ln_V": p.get("ln_V"), "per_doc": {k: v["ce"] for k, v in
+                                                                        p.get("docs", {}).items()}},
+                   threshold=p.get("limit"))
+
+
+@register("proxy.zero_proxy", family="not a proxy", direction=LE, threshold="zero_proxy_tol", optional=True,
+          mode=MODE_BOTH,
+          aggregation="max over positions of verified dumps",
+          definition="|log p(target) of the engine that made the dump − tail forward's| / max(1, |log p|): the "
+                     "forward is the real network (n/a when no dump carries ref_logp: every figure is unverified)")
+def _proxy_zero(ev: Evidence) -> Measure:
+    p = ev.proxy
+    return Measure(p.get("zero_proxy_max"), {"unverified": p.get("unverified"), "per_doc": p.get("zero_proxy")})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (a)–(c) against the solve record (seed §5.3: the failure was positions the solver added)
+
+
+@register("a.prefix_exact", family="(a)", direction=LE, threshold=None,
+          aggregation="count over the record's slop terms",
+          definition="positions the solve record says the slop objective touched whose preceding tokens are not a "
+                     "banned tuple's prefix, whose target is not the tuple's final token, or that cannot be found")
+def _a_prefix(ev: Evidence) -> Measure:
+    r = ev.record
+    if not r.get("present"):
+        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
+    return Measure(float(len(r["not_prefix_exact"])), {"n_slop": r["n_slop"], "bad": r["not_prefix_exact"][:50]},
+                   threshold=0.0)
+
+
+@register("a.events", family="(a)", direction=LE, threshold=None, aggregation="count over the record's slop terms",
+          threshold_from="thresholds.non_event_p",
+          definition="positions the record's slop objective touched whose base p(rejected) < non_event_p "
+                     "(non-events: suppressing almost-never to almost-never, seed §3 (2)); the audit's own forward")
+def _a_events(ev: Evidence) -> Measure:
+    r = ev.record
+    if not r.get("present"):
+        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
+    return Measure(float(len(r["non_events"])), {"n_slop": r["n_slop"], "non_events": r["non_events"][:50]},
+                   threshold=0.0)
+
+
+@register("b.natural", family="(b)", direction=LE, threshold=None, aggregation="count over documents",
+          definition="documents holding the record's slop positions that are not accepted training documents "
+                     "(not in train, or refused by the provenance / word-salad / CE / sampler guards)")
+def _b_natural(ev: Evidence) -> Measure:
+    r = ev.record
+    if not r.get("present"):
+        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
+    return Measure(float(len(r["unnatural_docs"])), {"docs": r["unnatural_docs"], "training_docs": r["training_docs"]},
+                   threshold=0.0)
+
+
+@register("c.heldout_fraction", family="(c)", direction=GE, threshold="heldout_frac",
+          aggregation="held-out events / (train + dev + held-out events), by document",
+          definition="share of slop events held out in documents the solver never saw")
+def _c_frac(ev: Evidence) -> Measure:
+    s = ev.split
+    return Measure(s.get("heldout_frac"), {"events": s.get("events")})
+
+
+@register("c.disjoint", family="(c)", direction=LE, threshold=None, aggregation="count of documents",
+          definition="documents of the solve record (inputs and touched positions) or of the solver's sets that "
+                     "are also in a scored set (heldout, collateral_eval, chat_heldout, kld.*, blind), by sha256")
+def _c_disjoint(ev: Evidence) -> Measure:
+    r = ev.record
+    ov = r.get("overlap")
+    if ov is None:
+        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
+    return Measure(float(len(ov)), {"overlap": ov}, threshold=0.0)
+
+
+@register("c.slop", family="(c)", direction=GE, threshold="slop_reduction",
+          aggregation="1 − mean p_after / mean p_before over held-out events (in-context copies included; "
+                      "fresh and copies reported apart)",
+          definition="held-out slop: mean p(rejected) reduction at prefix-exact events of held-out documents")
+def _c_slop(ev: Evidence) -> Measure:
+    s = ev.slop
+    return Measure(s.get("reduction"), {"n": s.get("n"), "p_before": s.get("p_before"), "p_after": s.get("p_after"),
+                                        "fresh": s.get("fresh"), "copies": s.get("copies"),
+                                        "per_phrase": {k: {kk: v.get(kk) for kk in ("n", "p_before", "p_after",
+                                                                                      "reduction")}
+                                                       for k, v in s.get("per_phrase", {}).items()}})
+
+
+@register("claims", family="record", direction=LE, threshold=None, aggregation="count of claims",
+          definition="figures the solve record claims that the audit re-derives and finds different "
+                     "(tolerance: 1e-4 absolute + 1e-3 relative)")
+def _claims(ev: Evidence) -> Measure:
+    c = ev.claims
+    if not c.get("present"):
+        return Measure(None, {"why": c.get("why", "no solve record")}, threshold=0.0)
+    return Measure(float(len(c["mismatched"])), {"compared": c["compared"], "mismatched": c["mismatched"],
+                                                  "not_rederived": c["not_rederived"]}, threshold=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (d) collateral_eval, per word (seed §6: a raised " what" must not offset a suppressed " actually")
+
+
+@register("d.word_mean", family="(d)", direction=GE, threshold="collateral_word_mean",
+          aggregation="min over words of the mean Δlog p(target) at the word's ordinary uses in collateral_eval",
+          definition="per-word collateral: every final-token word keeps its ordinary uses")
+def _d_word(ev: Evidence) -> Measure:
+    c = ev.collateral
+    return Measure(c.get("min_word_mean"), {"n": c.get("n"), "per_word": {
+        k: {kk: v[kk] for kk in ("n", "mean_dlogp", "frac_below", "worst")} for k, v in c.get("per_word", {}).items()}})
+
+
+@register("d.frac_below", family="(d)", direction=LE, threshold="collateral_frac_below",
+          aggregation="pooled over every collateral_eval occurrence", threshold_from="thresholds.collateral_frac_below "
+          "(below thresholds.collateral_below nats)",
+          definition="share of collateral occurrences losing more than |collateral_below| nats")
+def _d_frac(ev: Evidence) -> Measure:
+    c = ev.collateral
+    return Measure(c.get("frac_below"), {"n_below": c.get("n_below"), "n": c.get("n"), "per_word_frac": {
+        k: v["frac_below"] for k, v in c.get("per_word", {}).items()}})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (e) KLD domains
+
+
+@register("e.kld", family="(e)", direction=LE, threshold="kld_max", aggregation="mean over the domain's positions",
+          definition="KL(base ‖ bundle) from the exact tail forward, per kld.<domain> (float-order floor ~0 for a "
+                     "layer-L-only edit)")
+def _e_kld(ev: Evidence) -> dict[str, Measure] | Measure:
+    doms = {k: v for k, v in ev.kld.items() if k.startswith("kld.")}
+    if not doms:
+        return Measure(None, {"why": "no kld.<domain> set in the experiment"})
+    return {k[4:]: Measure(v["kld_mean"] if v else None, {"n": v["n"] if v else 0,
+                                                          "kld_99": v["kld_pct"]["99.0"] if v else None,
+                                                          "same_top": v["same_top"] if v else None})
+            for k, v in doms.items()}
+
+
+@register("e.engine_kld", family="(e)", direction=LE, threshold="kld_max", optional=True,
+          aggregation="mean over the kld.<domain>'s positions",
+          definition="engine-level KL(engine base ‖ engine on the transplanted bundle) from the dumps' ref_logits, "
+                     "per kld.<domain>, beside the engine's floor KL(engine base ‖ exact forward base); other sets "
+                     "are reported in engine.kld")
+def _e_engine(ev: Evidence) -> dict[str, Measure] | Measure:
+    e = {k: v for k, v in ev.engine.get("kld", {}).items() if k.startswith("kld.")}
+    if not e:
+        return Measure(None, {"why": "no engine logits for both base and bundle on a kld.<domain> document"})
+    return {k: Measure(v["kld"], {"floor": v.get("floor"), "tail_kld": v.get("tail_kld")}) for k, v in e.items()}
+
+
+@register("engine.zero_proxy", family="(e)", direction=LE, threshold="zero_proxy_tol", optional=True,
+          aggregation="max over positions",
+          definition="where the engine ran the transplanted bundle: |its log p(target) − the tail forward's "
+                     "prediction for the edited model| / max(1, |log p|)")
+def _engine_zp(ev: Evidence) -> Measure:
+    e = ev.engine.get("zero_proxy_edited")
+    return Measure(None if not e else max(v["max_rel"] for v in e.values()), {"per_doc": e})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (f) special tokens on every chat-formatted document (seed §6.1–6.3)
+
+
+@register("f.flips", family="(f)", direction=LE, threshold=None, aggregation="count over chat-formatted documents",
+          definition="argmax flips TO <|im_end|>/<|im_start|>/<think>/</think>/<|endoftext|> at non-terminal "
+                     "assistant, think and user positions other than user-turn openers (others listed, not failed)")
+def _f_flips(ev: Evidence) -> Measure:
+    f = ev.flips
+    if not f.get("docs"):
+        return Measure(None, {"why": "no chat-formatted document was scored"}, threshold=0.0)
+    return Measure(float(f["damage"]), {"docs": f["docs"], "by_kind": f["by_kind"]}, threshold=0.0)
+
+
+@register("f.special_mass", family="(f)", direction=LE, threshold=None,
+          aggregation="max over splits of (mean after − mean before) of Σ p(special) at slop events",
+          definition="no rise of the special tokens' mean probability at slop positions")
+def _f_mass(ev: Evidence) -> Measure:
+    s = ev.special_mass
+    return Measure(s.get("max_rise"), {"per_split": s.get("per_split")}, threshold=0.0)
+
+
+@register("f.turn_end_argmax", family="(f)", direction=LE, threshold=None,
+          aggregation="count over real turn ends", definition="real turn ends where <|im_end|> was the base argmax "
+          "and no longer is")
+def _f_te_arg(ev: Evidence) -> Measure:
+    t = ev.turn_ends
+    if not t.get("n"):
+        return Measure(None, {"why": "no real turn end (<|im_end|> target) in the chat documents"}, threshold=0.0)
+    return Measure(float(t["lost"]), {"n": t["n"], "was_argmax": t["was_argmax"], "lost": t["lost_rows"]},
+                   threshold=0.0)
+
+
+@register("f.turn_end_dlogp", family="(f)", direction=GE, threshold="im_end_dlogp",
+          aggregation="mean over real turn ends", definition="Δlog p(<|im_end|>) where it is the true next token")
+def _f_te_dl(ev: Evidence) -> Measure:
+    t = ev.turn_ends
+    return Measure(t.get("mean_dlogp"), {"n": t.get("n"), "min": t.get("min_dlogp")})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (g) the held-out chat document
+
+
+@register("g.ordinary_dlogp", family="(g)", direction=GE, threshold="chat_ordinary_dlogp",
+          aggregation="mean over chat_heldout positions that are not slop and whose target is not special",
+          definition="ordinary tokens of held-out chat keep their probability")
+def _g_dl(ev: Evidence) -> Measure:
+    o = ev.ordinary
+    return Measure(o.get("mean_dlogp"), {k: o.get(k) for k in ("docs", "n_ordinary", "median_dlogp", "frac_below")})
+
+
+@register("g.kld", family="(g)", direction=LE, threshold="chat_kld", aggregation="mean over non-slop positions",
+          definition="KL(base ‖ bundle) on held-out chat away from slop positions")
+def _g_kld(ev: Evidence) -> Measure:
+    o = ev.ordinary
+    return Measure(o.get("kld"), {"n_non_slop": o.get("n_non_slop")})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# blind sign-off (seed §6.2–6.3): one fresh document, scored once, against the untouched bundle
+
+
+@register("blind.bundle_untouched", family="blind", direction=GE, threshold=None, mode=MODE_BLIND,
+          aggregation="sha256", definition="the bundle's sha256 equals the dev report's (untouched since); a "
+          "mismatch is refused before the blind document is scored")
+def _blind_sha(ev: Evidence) -> Measure:
+    b = ev.blind
+    return Measure(1.0 if b.get("bundle_sha256") and b.get("bundle_sha256") == b.get("dev_bundle_sha256") else 0.0,
+                   {"bundle": b.get("bundle_sha256"), "dev_report": b.get("dev_bundle_sha256")}, threshold=1.0)
+
+
+@register("blind.never_scored", family="blind", direction=GE, threshold=None, mode=MODE_BLIND,
+          aggregation="ledger lookup", definition="the blind document's sha256 is in no ledger and in no input of the "
+          "dev report or the solve record (refused before scoring otherwise); it is scored once, now")
+def _blind_once(ev: Evidence) -> Measure:
+    b = ev.blind
+    return Measure(1.0 if b.get("never_scored") else 0.0, {"doc": b.get("doc_sha256"), "ledgers": b.get("ledgers")},
+                   threshold=1.0)
+
+
+def _blind_part(key: str, fn: Callable[[dict], Measure]) -> Callable[[Evidence], Measure]:
+    return lambda ev: fn(ev.blind.get(key, {}))
+
+
+register("blind.f.flips", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
+         aggregation="count", definition="(f) flips to a special token on the blind document")(
+    _blind_part("flips", lambda f: Measure(float(f["damage"]) if f.get("docs") else None,
+                                           {"by_kind": f.get("by_kind")}, threshold=0.0)))
+register("blind.f.special_mass", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
+         aggregation="mean after − mean before at the blind document's slop events",
+         definition="(f) no rise of special-token mass at slop positions")(
+    _blind_part("special_mass", lambda s: Measure(s.get("max_rise"), {"per_split": s.get("per_split")}, threshold=0.0)))
+register("blind.f.turn_end_argmax", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
+         aggregation="count", definition="(f) real turn ends losing the <|im_end|> argmax")(
+    _blind_part("turn_ends", lambda t: Measure(float(t["lost"]) if t.get("n") else None, {"n": t.get("n")},
+                                               threshold=0.0)))
+register("blind.f.turn_end_dlogp", family="blind", direction=GE, threshold="im_end_dlogp", mode=MODE_BLIND,
+         aggregation="mean", definition="(f) mean Δlog p(<|im_end|>) at real turn ends")(
+    _blind_part("turn_ends", lambda t: Measure(t.get("mean_dlogp"), {"n": t.get("n")})))
+register("blind.g.ordinary_dlogp", family="blind", direction=GE, threshold="chat_ordinary_dlogp", mode=MODE_BLIND,
+         aggregation="mean over ordinary tokens", definition="(g) ordinary-token mean Δlog p on the blind document")(
+    _blind_part("ordinary", lambda o: Measure(o.get("mean_dlogp"), {"n": o.get("n_ordinary")})))
+register("blind.g.kld", family="blind", direction=LE, threshold="chat_kld", mode=MODE_BLIND,
+         aggregation="mean over non-slop positions", definition="(g) KLD on the blind document away from slop")(
+    _blind_part("ordinary", lambda o: Measure(o.get("kld"), {"n": o.get("n_non_slop")})))
+
+
+@register("blind.slop_residual", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
+          aggregation="mean p_after / mean p_before over the blind document's slop events",
+          threshold_from="thresholds.blind_residual_factor × the dev report's held-out residual ratio",
+          definition="slop residual ratio (mean p after / mean p before) on the blind document vs the dev report's "
+                     "held-out residual ratio")
+def _blind_resid(ev: Evidence) -> Measure:
+    b = ev.blind
+    s = b.get("slop", {})
+    dev = b.get("dev_residual_ratio")
+    thr = None if dev is None else ev.thresholds.blind_residual_factor * dev
+    det = {"n": s.get("n"), "p_before": s.get("p_before"), "p_after": s.get("p_after"), "dev_residual_ratio": dev,
+           "factor": ev.thresholds.blind_residual_factor,
+           "absolute_residual_vs_dev": b.get("absolute_residual_vs_dev")}
+    return Measure(s.get("residual_ratio"), det, threshold=thr)

@@ -1,0 +1,714 @@
+"""`l47 audit` on a tiny synthetic model: hand-built bundles that fail for the seed's reasons, a hand-built bundle
+that passes, the blind sign-off with its ledger, and bad input.
+
+The world (built once per module):
+  * the synthetic qwen4exp GGUF (l47.synth, n 256, f 64, V 1024, 3 layers) with the conftest's tiny byte-level
+    BPE vocabulary (special tokens <|endoftext|> 0 … </think> 4);
+  * chat / plain documents rendered with the ChatML template; their dump states are synthetic arrays whose
+    routed-expert output `yr` is moved along each target's head row (bisection, exact tail forward) until the
+    BASE model gives every target the probability we choose: ordinary targets 0.55, slop events 0.6, real turn
+    ends 0.6, one planted non-event 0.002 — computed, not hard-coded; hh carries a "slop key" (column J_KEY =
+    C_KEY at every prefix-exact position, 0 elsewhere) and a constant feature (column J_BIAS = C_BIAS everywhere);
+  * bundles from ΔW designs computed through the exact forward and re-quantised to Q8_0 (l47.quants):
+      good        ΔW = u·e_KEYᵀ, u by Adam on TRAIN events only: lowers the final tokens and the special tokens;
+      collateral  ΔW = −α·ĥ(" than")·e_BIASᵀ: " than" down ≥ 1.5 nats in every context (seed §5.3's mined loss);
+      im_end      good + α·ĥ(<|im_end|>)·e_BIASᵀ until ≥ 3 ordinary argmaxes flip to it (seed §6.1's v3.1);
+      second      good + one byte of another tensor changed;  noop: the base's bytes.
+Every scenario asserts the bar that must fail, from the audit's own report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from l47 import names
+from l47.errors import L47Error
+
+DIMS_KW = dict(n=256, f=64, r=32, hc=4, V=1024, n_layers=3)
+J_KEY, J_BIAS = 5, 40  # hh columns: the slop key, the constant feature
+C_KEY, C_BIAS = 3.0, 2.0
+P_ORD, P_EVENT, P_NONEVENT, P_END = 0.55, 0.6, 0.002, 0.6
+PHRASES = ("rather than", "end to end", "right away")
+WRITTEN = "written"
+
+M = lambda r, c: {"role": r, "content": c}  # noqa: E731
+DOCS = {
+    # name: (set, chat messages | plain text)
+    "train_a": ("train", [
+        M("user", "How should we check the new build before the release?"),
+        M("assistant", "<think>\nThe user wants a plan. Measure first, then report.\n</think>\n\n"
+                       "Run the suite end to end on a clean machine. Use the measured numbers rather than a guess. "
+                       "If a test fails, tell me right away and keep the log."),
+        M("user", "And the slow tests?"),
+        M("assistant", "Time them rather than skip them. We ran the batch end to end twice.")]),
+    "train_b": ("train", [
+        M("user", "Can you compare the two reports for me?"),
+        M("assistant", "I read both files rather than the summary, and it took more than an hour. "
+                       "The second report is shorter. Send the fixes right away so the team can review them. "
+                       "Then check the pipeline end to end with fresh data.")]),
+    "dev_a": ("dev", [
+        M("user", "Is the model ready?"),
+        M("assistant", "Almost. We tested it end to end yesterday, and we fixed the parser right away.")]),
+    "heldout_a": ("heldout", [
+        M("user", "What did the audit find?"),
+        M("assistant", "The audit checked every tensor rather than a sample. It traced the head end to end "
+                       "and flagged one file right away.")]),
+    "heldout_b": ("heldout", [
+        M("user", "Please fix the loader."),
+        M("assistant", "I will patch the reader rather than the writer, then rerun the loader end to end. "
+                       "Expect a note right away.")]),
+    "coll_a": ("collateral_eval",
+               "The river is more than a mile wide. At the end of the valley the road turns far away from the sea. "
+               "She paid more than he did, and the end of the story came soon. The hills were far away, "
+               "and the town lay at the end of a long road. It costs more than a car."),
+    "chat_ho": ("chat_heldout", [
+        M("user", "Why did the test stop early?"),
+        M("assistant", "<think>\nCheck the log first.\n</think>\n\nThe runner hit a timeout. "
+                       "I raised the limit rather than remove the test, and it now runs end to end."),
+        M("user", "Good. What next?"),
+        M("assistant", "Next we profile the slow step and write the numbers down.")]),
+    "ops": ("kld.ops", "Tools return JSON like a list of results which the assistant reads. "
+                       "Numbers appear in tables and reports; dates appear too."),
+    "anchor_a": ("collateral_anchor",
+                 "It was more than enough. The end of the road was far away. We walked more than ten miles to the "
+                 "end of the trail, and the lake was far away from the camp. He knew more than most."),
+    "bg_b": ("background", "The quick brown fox jumps over the lazy dog. A model reads text and predicts the next "
+                           "token. Far away, the mountains were covered in snow; the river ran to the sea."),
+    "bg_a": ("background", [
+        M("user", "Tell me about bread."),
+        M("assistant", "<think>\nA short answer.\n</think>\n\nMix flour, water, salt and yeast, knead, "
+                       "let it rise, then bake it in a hot oven.")]),
+    "blind_a": ("blind", [
+        M("user", "Can you review the patch?"),
+        M("assistant", "<think>\nRead the diff, then answer.\n</think>\n\nI read the whole diff rather than the "
+                       "title. The tests pass end to end, and I sent two notes right away."),
+        M("user", "Thanks, merge it."),
+        M("assistant", "Merged. The build is green.")]),
+}
+NON_EVENT = ("train_b", "right away")  # the planted non-event: this phrase's event in this document gets p 0.002
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the world
+
+
+def _render(vocab, spec):
+    from l47.dumps.chat import render_chat, render_plain
+
+    if isinstance(spec, str):
+        ids, role = render_plain(spec, vocab, "assistant")
+    else:
+        ids, role = render_chat(spec, vocab)
+    return np.asarray(ids, dtype=np.int64), np.asarray(role, dtype=np.uint8)
+
+
+def _fit_yr(w, arrs: list[dict], goals: list[np.ndarray], iters=24, tol=1e-3) -> None:
+    """Set each document's yr [T, n] so that the base log p(target) = goal at every row: yr_t + α_t·ĥ_t with ĥ_t
+    the unit head row of row t's target, α_t by bisection on [−64, 256] (log p(target) rises with α along its
+    own head row). All documents' rows at once, exact forward, no gradients. Asserts |error| < tol nats."""
+    from l47.forward import full_logits, tail_mix
+
+    cat = lambda k: torch.from_numpy(np.concatenate([a[k] for a in arrs]))  # noqa: E731
+    R, inj, hh, sgv, yr = cat("R"), cat("inj"), cat("hh"), cat("sgv"), cat("yr")  # [ΣT, ...]
+    tg = torch.from_numpy(np.concatenate([a["tokens"][1:] for a in arrs]).astype(np.int64))  # [ΣT]
+    goal = torch.from_numpy(np.concatenate(goals)).float()  # [ΣT]
+    h = w.head[tg] / w.head[tg].norm(dim=1, keepdim=True)  # [ΣT, n]
+
+    def logp(a):  # [ΣT]
+        z = full_logits(tail_mix(R, inj, hh, sgv, yr + a[:, None] * h, w), w)  # [ΣT, V]
+        return torch.log_softmax(z, -1).gather(1, tg[:, None])[:, 0]
+
+    lo, hi = torch.full_like(goal, -64.0), torch.full_like(goal, 256.0)
+    with torch.no_grad():
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            up = logp(mid) < goal
+            lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+        a = (lo + hi) / 2
+        err = float((logp(a) - goal).abs().max())
+    assert err < tol, f"yr fit: max |log p − goal| = {err}"
+    fitted = (yr + a[:, None] * h).numpy().astype(np.float32)
+    r0 = 0
+    for arr in arrs:
+        T = arr["yr"].shape[0]
+        arr["yr"] = fitted[r0:r0 + T]
+        r0 += T
+
+
+def _dump_arrays(vocab, pts, name, spec, seed):
+    """Rendered tokens/roles, synthetic states with the slop key and the constant feature, and the goals."""
+    from l47.dumps.select import chat_structure, find_events
+    from l47.synth import SynthDims, synth_dump_arrays
+
+    tokens, role = _render(vocab, spec)
+    T = tokens.shape[0] - 1
+    arr = synth_dump_arrays(SynthDims(**DIMS_KW), T, seed)
+    arr["tokens"] = tokens.astype(np.int32)
+    arr["role"] = role
+    hh = arr["hh"]
+    hh[:, J_KEY] = 0.0
+    hh[:, J_BIAS] = C_BIAS
+    goal = np.full(T, math.log(P_ORD))
+    for e in find_events(tokens, pts, role):
+        hh[e.pos, J_KEY] = C_KEY
+        goal[e.pos] = math.log(P_NONEVENT if (name, e.phrase) == NON_EVENT else P_EVENT)
+    goal[chat_structure(tokens, role, vocab.special_ids).terminal] = math.log(P_END)
+    return arr, goal
+
+
+def _write_world_dump(path, w, name, spec, arr):
+    """Write a verified dump: ref_logp / top-k / ref_logits are the exact forward's (the 'engine' is exact)."""
+    from l47.dumps import DumpMeta, read_dump, write_dump
+    from l47.forward import full_logits, mix_of_dump, score_dump
+
+    prov = {r: WRITTEN for r in {names.ROLES[int(c)] for c in np.unique(arr["role"])}}
+    meta = DumpMeta(schema_version=1, doc_id=name, layer=w.layer, n=w.n, f=w.f, hc=w.hc, r=w.r, V=w.V,
+                    model=w.model_sha256, engine={"name": "synthetic", "version": "0", "settings": {}},
+                    inj_convention="raw", hh_precision="f32", provenance=prov,
+                    text=spec if isinstance(spec, str) else json.dumps(spec))
+    tmp = write_dump(path.with_suffix(".tmp.safetensors"), arr, meta)
+    d = read_dump(tmp)
+    st = score_dump(w, d)
+    with torch.no_grad():
+        arr["ref_logits"] = full_logits(mix_of_dump(d, w), w).numpy().astype(np.float16)  # [T, V]
+    tmp.unlink()
+    arr["ref_logp"] = st.logp_target.astype(np.float32)
+    arr["ref_top_ids"] = st.top_ids.astype(np.int32)
+    arr["ref_top_logits"] = (st.top_logp + st.lse[:, None]).astype(np.float32)
+    return write_dump(path, arr, meta)
+
+
+def _batch(w, dumps, rows_of):
+    """Stacked dump rows for the ΔW designs: dict of tensors + targets."""
+    parts = {k: [] for k in ("R", "inj", "hh", "sgv", "yr", "tg")}
+    for d in dumps:
+        rows = rows_of(d)
+        if not len(rows):
+            continue
+        for k in ("R", "inj", "hh", "sgv", "yr"):
+            parts[k].append(torch.from_numpy(np.ascontiguousarray(getattr(d, k)[rows])))
+        parts["tg"].append(torch.from_numpy(np.asarray(d.tokens[1:], dtype=np.int64)[rows]))
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _logp(w, b, dW):
+    from l47.forward import full_logits, tail_mix
+
+    z = full_logits(tail_mix(b["R"], b["inj"], b["hh"], b["sgv"], b["yr"], w, dW=dW), w)
+    return torch.log_softmax(z, -1)  # [P, V]
+
+
+def _design(w, b, col, objective, steps=150, lr=0.05, ridge=1e-3):
+    """ΔW = v·e_colᵀ with v optimised (Adam) through the exact forward to minimise objective(log p [P, V])."""
+    v = torch.zeros(w.n, requires_grad=True)
+    e = torch.zeros(w.f)
+    e[col] = 1.0
+    opt = torch.optim.Adam([v], lr=lr)
+    for _ in range(steps):
+        loss = objective(_logp(w, b, v[:, None] * e[None, :])) + ridge * (v * v).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return (v.detach()[:, None] * e[None, :])  # [n, f]
+
+
+def _along_head_row(w, b, col, token, sign, done, base_dW=None):
+    """ΔW = sign·α·ĥ·e_colᵀ, ĥ the unit head row of `token` (moves that token's logit in every context that
+    carries feature `col`), with α doubled until done(log p [P, V]) holds (exact forward, no gradients)."""
+    h = w.head[token] / w.head[token].norm()
+    e = torch.zeros(w.f)
+    e[col] = 1.0
+    alpha = 0.25
+    with torch.no_grad():
+        for _ in range(16):
+            dW = sign * alpha * h[:, None] * e[None, :] + (0 if base_dW is None else base_dW)
+            if done(_logp(w, b, dW)):
+                return dW
+            alpha *= 2
+    raise AssertionError("design did not reach its goal")
+
+
+def _write_bundle(base, out, w, dW, extra=None, prov=None):
+    """Re-quantise W_sd + ΔW to Q8_0 (ggml rule, l47.quants) and write base-with-target-replaced + provenance."""
+    from l47 import quants
+    from l47.gguf_io import copy_with_tensor_replaced
+
+    raw = quants.quantize(w.W_sd + dW, int(__import__("gguf").GGMLQuantizationType.Q8_0), w.target).numpy()
+    repl = {w.target: raw, **(extra or {})}
+    kv = {names.PROVENANCE_PREFIX + "target": w.target, names.PROVENANCE_PREFIX + "method": "hand",
+          names.PROVENANCE_PREFIX + "base_sha256": w.model_sha256, **(prov or {})}
+    return copy_with_tensor_replaced(base, out, repl, extra_kv=kv)
+
+
+def _write_record(bundle, w, sets_rep, extra_touched=(), claims_override=None):
+    """A SolveRecord for a hand-made bundle: slop terms at the accepted train events, claims re-derived here."""
+    from l47 import record as rec
+    from l47.gguf_io import open_gguf
+    from l47.score import edited_weight
+    from l47.forward import score_pair
+    from l47.dumps import read_dump
+
+    W_new, bsha = edited_weight(w, bundle)
+    train = [e for e in sets_rep.events if e.set == "train"]
+    pb, pa = [], []
+    docs = {d.sha256: d for d in sets_rep.docs}
+    cache = {}
+    for e in train:
+        if e.doc_sha256 not in cache:
+            cache[e.doc_sha256] = score_pair(w, read_dump(docs[e.doc_sha256].path), W_new)
+        ps = cache[e.doc_sha256]
+        pb.append(math.exp(ps.base.logp_target[e.pos]))
+        pa.append(math.exp(ps.new.logp_target[e.pos]))
+    touched = [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base) for e in train]
+    touched += list(extra_touched)
+    claims = {"dW_rel_norm": float((W_new.double() - w.W_sd.double()).norm() / w.W_sd.double().norm()),
+              "train_p_rejected": {"before": float(np.mean(pb)), "after": float(np.mean(pa)), "n": len(train)}}
+    claims.update(claims_override or {})
+    inputs = [rec.InputFile(d.path, d.sha256, d.set) for d in sets_rep.docs if d.set in ("train", "dev", "background")]
+    r = rec.SolveRecord(method="hand", toolkit_version="test", seed=0, base_sha256=w.model_sha256, bundle_sha256=bsha,
+                        target=w.target, config={}, inputs=inputs, touched=touched, claims=claims)
+    rec.record_path_for(bundle).write_text(r.to_json())
+    return r
+
+
+def _experiment_toml(root: Path, paths: dict[str, Path], extra_sets: dict | None = None) -> Path:
+    sets: dict[str, list[str]] = {}
+    for name, (s, _) in DOCS.items():
+        sets.setdefault(s, []).append(paths[name].name)
+    for s, v in (extra_sets or {}).items():
+        sets.setdefault(s, []).extend(v)
+    lines = ['name = "audit-test"', 'model = "base.gguf"', 'vocab = "gguf"', 'policy = "strata"', "", "[sets]"]
+    lines += [f"{s} = {json.dumps(v)}" for s, v in sets.items() if not s.startswith("kld.")]
+    lines += ["", "[sets.kld]"] + [f"{s[4:]} = {json.dumps(v)}" for s, v in sets.items() if s.startswith("kld.")]
+    for p in PHRASES:
+        lines += ["", "[[phrases]]", f'text = "{p}"']
+    lines += ["", "[thresholds]", "min_heldout_per_phrase = 1", "collateral_min_total = 5",
+              "collateral_min_per_word = 1"]
+    path = root / "experiment.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_tokenizer_kv):
+    from l47.dumps import read_dump
+    from l47.dumps.select import phrases_to_tuples
+    from l47.engine.gguf_export import _TOKENIZER_TYPES
+    from l47.experiment import load_experiment
+    from l47.gguf_io import copy_with_tensor_replaced, open_gguf
+    from l47.sets import build_sets
+    from l47.synth import SynthDims, write_synth_gguf
+    from l47.vocab import vocab_from_gguf
+    from l47.weights import load_tail_weights
+
+    root = tmp_path_factory.mktemp("audit_world")
+    raw = write_synth_gguf(root / "raw.gguf", SynthDims(**DIMS_KW), seed=7, unknown_type_tensor=True)
+    base = copy_with_tensor_replaced(raw, root / "base.gguf", {}, extra_kv=tiny_tokenizer_kv,
+                                     extra_kv_types=_TOKENIZER_TYPES)
+    w = load_tail_weights(base, policy="strata")
+    vocab = vocab_from_gguf(open_gguf(base))
+    pts, _ = phrases_to_tuples(PHRASES, vocab)
+    built = {name: _dump_arrays(vocab, pts, name, spec, seed=100 + i)
+             for i, (name, (_, spec)) in enumerate(DOCS.items())}
+    _fit_yr(w, [a for a, _ in built.values()], [g for _, g in built.values()])
+    paths = {name: _write_world_dump(root / f"{name}.safetensors", w, name, DOCS[name][1], built[name][0])
+             for name in DOCS}
+    exp_path = _experiment_toml(root, paths)
+    exp = load_experiment(exp_path)
+    sets_rep = build_sets(replace(exp, sets={k: v for k, v in exp.sets.items() if k != "blind"}), w, vocab=vocab)
+    assert not [d for d in sets_rep.docs if d.refused], [d.reasons for d in sets_rep.docs if d.refused]
+    dumps = {n: read_dump(p) for n, p in paths.items()}
+
+    # --- ΔW designs (optimised on TRAIN documents only)
+    train = [dumps[n] for n, (s, _) in DOCS.items() if s == "train"]
+    ev_rows = lambda d: [e.pos for e in sets_rep.events if e.set == "train" and e.doc_sha256 == d.sha256]  # noqa
+    b_ev = _batch(w, train, ev_rows)
+    spec_ids = torch.tensor(sorted(vocab.special_ids.values()))
+    lp0 = _logp(w, b_ev, None).detach()
+    special0 = lp0[:, spec_ids].exp().sum(1)
+
+    def good_obj(lp):  # lower p(rejected) and the special tokens' mass (seed §6.1: never hand it to <|im_end|>)
+        rej = lp.gather(1, b_ev["tg"][:, None])[:, 0].exp().mean()
+        special = torch.logsumexp(lp[:, spec_ids], 1) - special0.log()
+        return rej + 0.2 * special.mean()
+
+    dW_good = _design(w, b_ev, J_KEY, good_obj, steps=150, lr=0.05)
+    b_all = _batch(w, train, lambda d: list(range(d.T)))
+    than = vocab.id_of(" than")
+    with torch.no_grad():
+        lp_all = _logp(w, b_all, None)
+    # seed §5.3's mined loss: " than" suppressed in every context (≥ 1.5 nats on average)
+    dW_coll = _along_head_row(w, b_all, J_BIAS, than, -1.0,
+                              lambda lp: float((lp_all[:, than] - lp[:, than]).mean()) > 1.5)
+    # seed §6.1's v3.1: the freed mass goes to <|im_end|>: argmax flips to it at ≥ 3 ordinary positions
+    im_end = vocab.special_ids[names.IM_END]
+    ordinary = ~torch.isin(b_all["tg"], torch.tensor(sorted(vocab.special_ids.values())))
+    dW_end = _along_head_row(w, b_all, J_BIAS, im_end, 1.0, base_dW=dW_good, done=lambda lp: int(
+        ((lp.argmax(1) == im_end) & (lp_all.argmax(1) != im_end) & ordinary).sum()) >= 3)
+
+    bundles = {"good": _write_bundle(base, root / "good.gguf", w, dW_good),
+               "collateral": _write_bundle(base, root / "collateral.gguf", w, dW_coll),
+               "im_end": _write_bundle(base, root / "im_end.gguf", w, dW_end)}
+    g = open_gguf(base)
+    other = names.gguf_name(names.FFN_UP_SHEXP, w.layer)
+    raw_other = np.array(g.raw(other)).copy()
+    raw_other[0, 5] ^= 0x01  # one quant code of one block (not its scale)
+    bundles["second"] = _write_bundle(base, root / "second.gguf", w, dW_good, extra={other: raw_other})
+    bundles["noop"] = copy_with_tensor_replaced(base, root / "noop.gguf", {}, extra_kv={
+        names.PROVENANCE_PREFIX + "target": w.target, names.PROVENANCE_PREFIX + "base_sha256": w.model_sha256})
+    for k, b in bundles.items():
+        _write_record(b, w, sets_rep)
+    return dict(root=root, base=base, w=w, vocab=vocab, pts=pts, paths=paths, exp=exp_path, sets=sets_rep,
+                bundles=bundles, dumps=dumps, dW_good=dW_good)
+
+
+def _audit(world, bundle, out, **kw):
+    from l47.evals.audit import AuditArgs, run_audit
+
+    kw.setdefault("plots", False)
+    return run_audit(AuditArgs(bundle=bundle, base=world["base"], experiment=world["exp"], out_dir=out, **kw))
+
+
+def _bars(res) -> dict:
+    return {b.name: b for b in res.bars}
+
+
+def _failed(res) -> set[str]:
+    return {b.name for b in res.bars if not b.passed}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the world is what it claims to be
+
+
+def test_world_has_events_non_events_and_natural_ce(world):
+    s = world["sets"]
+    n = {k: sum(1 for e in s.events if e.set == k) for k in ("train", "dev", "heldout", "chat_heldout")}
+    assert n["train"] >= 6 and n["heldout"] >= 4 and n["chat_heldout"] >= 1, n
+    assert any(e.phrase == NON_EVENT[1] and e.p_base < 1e-2 for e in s.non_events)  # the planted non-event
+    assert all(e.p_base > 0.3 for e in s.events)
+    assert all(d.ce < 0.5 * math.log(1024) for d in s.docs)  # natural, not a proxy
+    assert sum(1 for c in s.collateral if c.set == "collateral_eval" and c.word == " than") >= 3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a hand-made bundle that does the right thing passes every bar (the positive control)
+
+
+def test_good_bundle_passes_every_bar(world, tmp_path):
+    res = _audit(world, world["bundles"]["good"], tmp_path / "out", plots=True)
+    assert _failed(res) == set(), {b.name: (b.value, b.threshold, b.details) for b in res.bars if not b.passed}
+    assert res.exit_code == 0 and res.passed
+    b = _bars(res)
+    assert b["c.slop"].value >= 0.5 and b["bundle.target_edited"].value > 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["schema"] == "l47.audit/1" and rep["passed"] is True
+    assert rep["inputs"]["bundle"]["sha256"] == res.bundle_sha256
+    assert rep["thresholds"]["slop_reduction"] == 0.5 and rep["thresholds"]["kld_max"] == 0.01
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Bars" in md and "rather than" in md and "' than'" in md
+    tsv = (tmp_path / "out" / "positions.tsv").read_text().splitlines()
+    assert tsv[0].split("\t")[:4] == ["set", "doc", "doc_sha256", "pos"]
+    assert len(tsv) - 1 == sum(d["T"] for d in rep["inputs"]["documents"])
+    for p in ("slop_per_phrase.png", "collateral_dlogp.png", "kld_per_set.png", "special_mass.png"):
+        assert (tmp_path / "out" / "plots" / p).read_bytes()[:4] == b"\x89PNG"
+    # the held-out slop figure is re-derivable from the TSV (held-out rows of kind slop that are events)
+    ho = rep["slop"]["heldout"]
+    assert ho["n"] == sum(1 for e in world["sets"].events if e.set == "heldout")
+    # the ledger recorded every scored document against this bundle
+    led = [json.loads(x) for x in (tmp_path / "out" / "ledger.jsonl").read_text().splitlines()]
+    assert {e["bundle_sha256"] for e in led} == {res.bundle_sha256}
+    assert len(led) == len(rep["inputs"]["documents"])
+
+
+def test_overlay_bundle_is_compared_tensor_by_tensor(world, tmp_path):
+    """The seed's bundles were overlays (a subset of the base's tensors): every tensor present is compared."""
+    import gguf
+
+    from l47 import quants
+    from l47.solvers.bundle import write_overlay
+
+    w = world["w"]
+    raw = quants.quantize(w.W_sd + world["dW_good"], int(gguf.GGMLQuantizationType.Q8_0), w.target).numpy()
+    ov = write_overlay(world["base"], tmp_path / "overlay.gguf", w.target, raw, {"target": w.target})
+    _write_record(ov, w, world["sets"])
+    res = _audit(world, ov, tmp_path / "out")
+    b, bundle = _bars(res), res.report["bundle"]
+    assert bundle["form"] == "overlay" and bundle["compared"] >= 1 and bundle["metadata_omitted"]
+    assert all(b[n].passed for n in ("bundle.only_target", "bundle.target_edited", "bundle.metadata", "bundle.scope"))
+    assert res.passed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# failing bundles, each failing for the seed's reason
+
+
+def test_second_tensor_modified_fails_bundle_bar(world, tmp_path):
+    res = _audit(world, world["bundles"]["second"], tmp_path / "out")
+    b = _bars(res)
+    assert not b["bundle.only_target"].passed and b["bundle.only_target"].value == 1
+    assert "ffn_up_shexp" in b["bundle.only_target"].details["changed"][0]
+    assert res.exit_code == 1
+    assert b["c.slop"].passed and b["d.word_mean"].passed  # the rest is as good as the good bundle
+
+
+def test_collateral_killer_fails_per_word_bar(world, tmp_path):
+    res = _audit(world, world["bundles"]["collateral"], tmp_path / "out")
+    b = _bars(res)["d.word_mean"]
+    assert not b.passed and res.exit_code == 1
+    per = res.report["collateral"]["per_word"]
+    assert min(per, key=lambda k: per[k]["mean_dlogp"]) == " than"
+    assert per[" than"]["mean_dlogp"] < -0.05
+    assert _bars(res)["bundle.only_target"].passed  # the bundle is well-formed: the damage is the collateral
+
+
+def test_mass_pushed_to_im_end_fails_bar_f(world, tmp_path):
+    res = _audit(world, world["bundles"]["im_end"], tmp_path / "out")
+    b = _bars(res)
+    assert not b["f.flips"].passed and b["f.flips"].value >= 1
+    flips = res.report["chat"]["flips"]["flips"]
+    damage = [f for f in flips if f["kind"] == "to-special"]
+    assert damage and all(f["new"] == names.IM_END for f in damage)
+    assert all(f["role"] in ("assistant", "think", "user") for f in damage)
+    assert all(f["context"] for f in damage)  # decoded to text for the report
+
+
+def test_noop_bundle_fails_slop_bar(world, tmp_path):
+    res = _audit(world, world["bundles"]["noop"], tmp_path / "out")
+    b = _bars(res)
+    assert not b["c.slop"].passed and b["c.slop"].value == pytest.approx(0.0, abs=1e-12)
+    assert not b["bundle.target_edited"].passed
+    assert b["e.kld.ops"].passed and b["e.kld.ops"].value == 0.0  # nothing moved
+
+
+def test_record_with_non_prefix_and_non_event_positions_fails_bar_a(world, tmp_path):
+    from l47 import record as rec
+
+    s, vocab = world["sets"], world["vocab"]
+    bundle = tmp_path / "good_copy.gguf"
+    shutil.copy(world["bundles"]["good"], bundle)
+    than = vocab.id_of(" than")
+    coll = next(c for c in s.collateral if c.set == "train" and c.token_id == than)  # "more than" in train_b
+    ne = next(e for e in s.non_events if e.set == "train")  # the planted non-event (prefix-exact, p 0.002)
+    _write_record(bundle, world["w"], s, extra_touched=[
+        rec.Touched(coll.doc_sha256, coll.pos, than, rec.TERM_SLOP, "rather than", coll.p_base),
+        rec.Touched(ne.doc_sha256, ne.pos, ne.final, rec.TERM_SLOP, ne.phrase, ne.p_base)])
+    res = _audit(world, bundle, tmp_path / "out")
+    b = _bars(res)
+    assert not b["a.prefix_exact"].passed and b["a.prefix_exact"].value == 1
+    bad = b["a.prefix_exact"].details["bad"][0]
+    assert bad["pos"] == coll.pos and "prefix" in bad["why"] and bad["context"].endswith("more")
+    assert not b["a.events"].passed and b["a.events"].value == 1
+    assert b["a.events"].details["non_events"][0]["pos"] == ne.pos
+    assert b["a.events"].details["non_events"][0]["p_base"] < 1e-2
+
+
+def test_record_overlapping_a_scored_set_fails_disjointness(world, tmp_path):
+    from l47 import record as rec
+
+    s = world["sets"]
+    bundle = tmp_path / "good_copy.gguf"
+    shutil.copy(world["bundles"]["good"], bundle)
+    ho = next(e for e in s.events if e.set == "heldout")
+    _write_record(bundle, world["w"], s, extra_touched=[
+        rec.Touched(ho.doc_sha256, ho.pos, ho.final, rec.TERM_SLOP, ho.phrase, ho.p_base)])
+    res = _audit(world, bundle, tmp_path / "out")
+    b = _bars(res)
+    assert not b["c.disjoint"].passed
+    assert any(o["doc_sha256"] == ho.doc_sha256 and o["scored_set"] == "heldout"
+               for o in b["c.disjoint"].details["overlap"])
+    assert not b["b.natural"].passed  # and a held-out document is no training context
+
+
+def test_claims_that_do_not_reproduce_fail(world, tmp_path):
+    bundle = tmp_path / "good_copy.gguf"
+    shutil.copy(world["bundles"]["good"], bundle)
+    _write_record(bundle, world["w"], world["sets"], claims_override={"train_p_rejected": {"before": 0.63,
+                                                                                            "after": 0.0055}})
+    res = _audit(world, bundle, tmp_path / "out")
+    b = _bars(res)["claims"]
+    assert not b.passed and "train_p_rejected.after" in b.details["mismatched"]
+    assert b.details["compared"]["dW_rel_norm"]["ok"]
+
+
+def test_engine_level_checks(world, tmp_path):
+    """Dumps of an engine that ran the transplanted bundle: its log p must match the tail forward's edited
+    prediction (one planted 0.01-nat disagreement must fail), engine-level KLD beside its floor."""
+    from l47.dumps import read_dump, write_dump
+    from l47.forward import full_logits, mix_of_dump
+    from l47.score import edited_weight
+
+    w, good = world["w"], world["bundles"]["good"]
+    W_new, bsha = edited_weight(w, good)
+    paths = []
+    for name, shift in (("ops", 0.0), ("chat_ho", 0.01)):
+        d = read_dump(world["paths"][name])
+        with torch.no_grad():
+            z = full_logits(mix_of_dump(d, w, W_sd=W_new), w)  # [T, V] the edited model's logits
+        lp = torch.log_softmax(z.double(), -1)
+        arr = {k: np.array(v) for k, v in d.arrays().items()}
+        arr["ref_logp"] = (lp.gather(1, torch.from_numpy(d.targets.astype(np.int64))[:, None])[:, 0] + shift
+                           ).numpy().astype(np.float32)
+        top = torch.topk(z, arr["ref_top_ids"].shape[1], dim=1)
+        arr["ref_top_ids"], arr["ref_top_logits"] = top.indices.numpy().astype(np.int32), top.values.numpy()
+        arr["ref_logits"] = z.numpy().astype(np.float16)
+        paths.append(write_dump(tmp_path / f"{name}.edited.safetensors", arr,
+                                replace(d.meta, model=bsha, doc_id=name + "-edited-engine")))
+    res = _audit(world, good, tmp_path / "out", engine_dumps=tuple(paths))
+    b = _bars(res)
+    zp = b["engine.zero_proxy"]
+    assert not zp.passed and zp.value == pytest.approx(0.01, rel=1e-3)
+    assert zp.details["per_doc"][str(paths[0])]["max_rel"] < 1e-4  # f32 summation order only
+    e = b["e.engine_kld.kld.ops"]
+    assert e.passed and e.details["floor"] < 1e-4  # f16 engine logits vs the exact forward
+    assert e.value == pytest.approx(e.details["tail_kld"], abs=1e-4)
+    ch = res.report["engine"]["kld"]["chat_heldout"]  # reported for every set, a bar only on kld.<domain>
+    assert ch["kld"] == pytest.approx(ch["tail_kld"], abs=1e-3) and "e.engine_kld.chat_heldout" not in b
+
+
+# ----------------------------------------------------------------------------------------------------------
+# blind sign-off
+
+
+def test_blind_signoff_once_then_refused(world, tmp_path):
+    good = world["bundles"]["good"]
+    dev = _audit(world, good, tmp_path / "dev")
+    assert dev.passed
+    blind_doc = world["paths"]["blind_a"]
+    res = _audit(world, good, tmp_path / "blind1", blind=blind_doc, dev_report=tmp_path / "dev" / "report.json")
+    b = _bars(res)
+    assert res.mode == "blind" and {n for n in b if n.startswith("blind.")} >= {
+        "blind.slop_residual", "blind.f.flips", "blind.g.kld", "blind.g.ordinary_dlogp", "blind.bundle_untouched"}
+    assert res.passed, {k: (v.value, v.threshold) for k, v in b.items() if not v.passed}
+    dev_ratio = dev.report["slop"]["heldout"]["residual_ratio"]
+    assert b["blind.slop_residual"].threshold == pytest.approx(1.5 * dev_ratio)
+    comp = {c["figure"]: c for c in res.report["blind"]["comparisons"]}
+    assert comp["slop residual ratio"]["dev"] == pytest.approx(dev_ratio)
+    # scored once: a second blind run (fresh output folder) is refused through the dev report's ledger
+    with pytest.raises(L47Error, match="never scored before"):
+        _audit(world, good, tmp_path / "blind2", blind=blind_doc, dev_report=tmp_path / "dev" / "report.json")
+    assert not (tmp_path / "blind2" / "report.json").exists()
+
+
+def test_blind_document_scored_before_is_refused(world, tmp_path):
+    from l47.ledger import append_ledger
+    from l47.dumps import doc_hash
+
+    good = world["bundles"]["good"]
+    _audit(world, good, tmp_path / "dev")
+    blind_doc = world["paths"]["blind_a"]
+    ledger = tmp_path / "shared.jsonl"
+    append_ledger(ledger, [(doc_hash(blind_doc), "somebundle")], "score")
+    with pytest.raises(L47Error, match="scored by `score`"):
+        _audit(world, good, tmp_path / "blind", blind=blind_doc, dev_report=tmp_path / "dev" / "report.json",
+               ledger=ledger)
+    assert not (tmp_path / "blind" / "report.json").exists()
+    assert len(ledger.read_text().splitlines()) == 1  # nothing scored, nothing appended
+
+
+def test_blind_against_another_bundle_is_refused(world, tmp_path):
+    _audit(world, world["bundles"]["good"], tmp_path / "dev")
+    with pytest.raises(L47Error, match="sha256"):
+        _audit(world, world["bundles"]["im_end"], tmp_path / "blind", blind=world["paths"]["blind_a"],
+               dev_report=tmp_path / "dev" / "report.json")
+    assert not (tmp_path / "blind" / "report.json").exists()
+    # the blind document stays unscored: the dev ledger does not have it
+    led = (tmp_path / "dev" / "ledger.jsonl").read_text()
+    from l47.dumps import doc_hash
+
+    assert doc_hash(world["paths"]["blind_a"]) not in led
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad input: clear error, no partial report
+
+
+def test_bundle_for_another_model(world, tmp_path):
+    from l47.synth import SynthDims, write_synth_gguf
+
+    other = write_synth_gguf(tmp_path / "other.gguf", SynthDims(**{**DIMS_KW, "f": 96}), seed=1)
+    with pytest.raises(L47Error, match="another model"):
+        _audit(world, other, tmp_path / "out")
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_record_for_another_base_is_refused(world, tmp_path):
+    bundle = tmp_path / "good_copy.gguf"
+    shutil.copy(world["bundles"]["good"], bundle)
+    from l47.record import read_record, record_path_for
+
+    r = read_record(record_path_for(world["bundles"]["good"]))
+    record_path_for(bundle).write_text(replace(r, base_sha256="0" * 64).to_json())
+    with pytest.raises(L47Error, match="another model"):
+        _audit(world, bundle, tmp_path / "out")
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_missing_dump(world, tmp_path):
+    exp = world["exp"].read_text().replace('ops = ["ops.safetensors"]', 'ops = ["ops.safetensors", "gone.safetensors"]')
+    p = world["root"] / "exp_missing.toml"
+    p.write_text(exp)
+    from l47.evals.audit import AuditArgs, run_audit
+
+    with pytest.raises(L47Error, match="gone.safetensors"):
+        run_audit(AuditArgs(world["bundles"]["good"], world["base"], p, tmp_path / "out"))
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_corrupt_ledger_line(world, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    good_line = '{"doc_sha256": "a", "bundle_sha256": "b", "command": "x", "time": 1}'
+    (out / "ledger.jsonl").write_text(good_line + "\nnot json\n")
+    with pytest.raises(L47Error, match="line 2"):
+        _audit(world, world["bundles"]["good"], out)
+    assert not (out / "report.json").exists()
+
+
+def test_unwritable_out_dir(world, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(L47Error, match="output directory"):
+        _audit(world, world["bundles"]["good"], blocker / "out")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the sampler penalty on the world's held-out documents
+
+
+def test_penalty_export_and_simulation(world, tmp_path):
+    from l47.evals.penalty import PenaltyArgs, read_spec, run_penalty
+
+    res = run_penalty(PenaltyArgs(experiment=world["exp"], out=tmp_path / "penalty.json", base=world["base"],
+                                  bundle=world["bundles"]["good"], bias=5.0))
+    spec = read_spec(tmp_path / "penalty.json")
+    assert spec.bias == 5.0 and len(spec.rules) == res.rules > 0
+    assert res.unchanged_max_abs_dlogp == 0.0 and res.unchanged_rows > 0
+    for ph, r in res.residual.items():
+        assert r["penalty"] < r["base"] and r["stacked"] <= r["bundle"] + 1e-12, ph
+    assert res.extra_hits["previous-token"]["positions"] >= res.extra_hits["last-prefix-token"]["positions"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the lead's solver (hook): a bundle from `l47 solve` on this tiny world must pass the audit
+
+
+@pytest.mark.slow
+def test_passing_bundle_from_solve(world, tmp_path):
+    pytest.importorskip("l47.solvers.wfld")
+    solve = pytest.importorskip("l47.solvers.solve")
+    if not hasattr(solve, "run_solve"):
+        pytest.skip("l47.solvers.solve.run_solve not available yet")
+    out = tmp_path / "solved.gguf"
+    solve.run_solve(solve.SolveArgs(experiment=world["exp"], method="wfld", out=out, model=world["base"]),
+                    log=lambda *a, **k: None)
+    res = _audit(world, out, tmp_path / "audit")
+    assert res.passed, {b.name: (b.value, b.threshold, b.details.get("why")) for b in res.bars if not b.passed}
