@@ -118,6 +118,7 @@ def dump(
     model: Path = typer.Option(..., "--model", help="qwen4exp GGUF or a local transformers checkpoint dir"),
     out: Path = typer.Option(..., "--out", help="output directory (one .safetensors dump per document)"),
     engine: str = typer.Option("hf", help="hf | strata"),
+    engine_bin: Optional[Path] = typer.Option(None, "--engine-bin", help="Strata binary (or set STRATA_BIN)"),
     layer: Optional[int] = typer.Option(None, help="the last layer (default); any other is refused"),
     generate: bool = typer.Option(False, help="sample the assistant turn with the model (provenance generated)"),
     max_new_tokens: int = typer.Option(256),
@@ -135,7 +136,7 @@ def dump(
 
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
-                       policy=policy, device=device)
+                       policy=policy, device=device, engine_bin=engine_bin)
     if not summary.ok:
         raise typer.Exit(1)
 

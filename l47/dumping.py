@@ -157,13 +157,20 @@ class _Rendered:
     text: str
 
 
-def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role: str) -> _Rendered:
-    from l47.dumps.chat import chat_segments, render_document, tokenize_segments
-    from l47.engine.hf import generate
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    roles: list[str]  # role of every prompt token
+    text: str
+    stop: list[int]
+    content_role: str  # role of what the engine writes
+    where: str
 
-    if gen is None:
-        r = render_document(doc, vocab, plain_role)
-        return _Rendered(list(r.tokens), r.role, _provenance(r.role, None), r.text)
+
+def _prompt(doc, vocab, gen: GenerateOptions, plain_role: str) -> _Prompt:
+    """The generation prompt of a document: a chat up to the assistant's turn, or a plain text to continue."""
+    from l47.dumps.chat import chat_segments, tokenize_segments
+
     where = f"{doc.source or 'document'} (doc {doc.id!r})"
     sp = vocab.special_ids
     if doc.messages is not None:
@@ -181,29 +188,66 @@ def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role
             segs += [(names.THINK, "template", True), ("\n\n", "template", False),
                      (names.END_THINK, "template", True), ("\n\n", "template", False)]
         prompt, p_roles = tokenize_segments(segs, vocab, where)
-        prompt_text = "".join(t for t, _, _ in segs)
-        stop = [sp[s] for s in (names.IM_END, names.ENDOFTEXT) if s in sp]
-        content_role = "assistant"
-    else:
-        prompt = list(vocab.encode(doc.text))
-        p_roles = [plain_role] * len(prompt)
-        prompt_text = doc.text
-        stop = [sp[names.ENDOFTEXT]] if names.ENDOFTEXT in sp else []
-        content_role = plain_role
-    seed = doc_seed(gen.seed, doc.id)
-    new = generate(model, prompt, gen.max_new_tokens, seed, gen.temperature, gen.top_p, gen.top_k, stop, where)
-    ids = prompt + new
+        return _Prompt(list(prompt), list(p_roles), "".join(t for t, _, _ in segs),
+                       [sp[s] for s in (names.IM_END, names.ENDOFTEXT) if s in sp], "assistant", where)
+    prompt = list(vocab.encode(doc.text))
+    return _Prompt(prompt, [plain_role] * len(prompt), doc.text,
+                   [sp[names.ENDOFTEXT]] if names.ENDOFTEXT in sp else [], plain_role, where)
+
+
+def _with_generation(doc, vocab, gen: GenerateOptions, p: _Prompt, new: list[int], mid: str,
+                     engine: str) -> _Rendered:
+    """Rendered document = prompt + the engine's sampled tokens, with roles and provenance `generated`."""
+    ids = p.ids + list(new)
     if len(ids) < 2:
-        raise L47Error(where, "tokens", "at least 2 tokens", str(len(ids)))
-    roles = p_roles + _generated_roles(new, vocab, gen.think is True, content_role)
+        raise L47Error(p.where, "tokens", "at least 2 tokens", str(len(ids)))
+    roles = p.roles + _generated_roles(list(new), vocab, gen.think is True, p.content_role)
     role = np.asarray([names.ROLE_ID[r] for r in roles[1:]], dtype=np.uint8)  # [T] role of each target
-    generated = np.arange(1, len(ids)) >= len(prompt)  # [T] target was sampled
+    generated = np.arange(1, len(ids)) >= len(p.ids)  # [T] target was sampled
     prov = _provenance(role, generated)
-    prov["generation"] = {"prompt": prompt_text, "seed": seed, "model": mid,
+    prov["generation"] = {"prompt": p.text, "seed": doc_seed(gen.seed, doc.id), "model": mid,
                           "sampler": {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
                                       "max_new_tokens": gen.max_new_tokens, "base_seed": gen.seed,
-                                      "stop_ids": stop, "think": gen.think, "engine": "hf"}}
-    return _Rendered(ids, role, prov, prompt_text + _decode(vocab, new))
+                                      "stop_ids": p.stop, "think": gen.think, "engine": engine}}
+    return _Rendered(ids, role, prov, p.text + _decode(vocab, list(new)))
+
+
+def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role: str) -> _Rendered:
+    from l47.dumps.chat import render_document
+    from l47.engine.hf import generate
+
+    if gen is None:
+        r = render_document(doc, vocab, plain_role)
+        return _Rendered(list(r.tokens), r.role, _provenance(r.role, None), r.text)
+    p = _prompt(doc, vocab, gen, plain_role)
+    new = generate(model, p.ids, gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
+                   gen.top_k, p.stop, p.where)
+    return _with_generation(doc, vocab, gen, p, new, mid, "hf")
+
+
+def _strata_document(sbin, model_path: Path, doc, vocab, gen: GenerateOptions | None, raw_dir: Path, L: int,
+                     mid: str, plain_role: str, topk: int, ref_logits: bool, source: dict):
+    """One document through the external Strata binary (engine/CONTRACT.md) -> (arrays, DumpMeta fields)."""
+    from l47.dumps.chat import render_document
+    from l47.engine import strata
+    from l47.engine.hf import SamplerSettings
+
+    if gen is None:
+        r = render_document(doc, vocab, plain_role)
+        strata.run_strata(sbin, model_path, list(r.tokens), raw_dir, L, topk=topk, ref_logits=ref_logits)
+        base = {"doc_id": doc.id, "text": r.text, "role": r.role, "provenance": _provenance(r.role, None),
+                "model": mid, "source": source}
+        return strata.convert(raw_dir, base)
+    p = _prompt(doc, vocab, gen, plain_role)
+    settings = SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
+                               gen.top_k, tuple(p.stop))
+    strata.run_strata(sbin, model_path, p.ids, raw_dir, L, settings, topk=topk, ref_logits=ref_logits)
+    raw = strata.read_raw(raw_dir)
+    new = [int(t) for t in np.asarray(raw[strata.K_TOKENS])[len(p.ids):]]
+    r = _with_generation(doc, vocab, gen, p, new, mid, "strata")
+    base = {"doc_id": doc.id, "text": r.text, "role": r.role, "model": mid, "source": source,
+            "prompt_text": p.text}
+    return strata.convert(raw, base)
 
 
 def zero_proxy(tail, dump) -> tuple[float, float]:
@@ -221,8 +265,24 @@ def zero_proxy(tail, dump) -> tuple[float, float]:
 # the command
 
 
+_ENGINE_CACHE: dict[tuple, tuple] = {}
+
+
 def _load_engine(model_path: Path, policy: str, device: str, layer: int | None):
-    """(model, tail weights, model id, engine meta, default vocab) for the hf engine."""
+    """(model, tail weights, model id, engine meta, default vocab) for the hf engine; cached per process for the
+    same file (path, size, mtime), policy, device and layer — several `run_dump` calls share one load."""
+    st = model_path.stat() if model_path.exists() else None
+    key = (str(model_path.resolve()), st and st.st_size, st and st.st_mtime_ns, policy, str(device), layer)
+    if st is not None and model_path.is_file() and key in _ENGINE_CACHE:
+        return _ENGINE_CACHE[key]
+    out = _load_engine_uncached(model_path, policy, device, layer)
+    if model_path.is_file():
+        _ENGINE_CACHE.clear()  # one model at a time
+        _ENGINE_CACHE[key] = out
+    return out
+
+
+def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int | None):
     from l47.engine.gguf_export import load_hf, load_hf_from_gguf
     from l47.engine.hf import engine_meta, model_id, tail_weights_from_model
 
@@ -262,7 +322,8 @@ def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
 def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, layer: int | None = None,
              generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
              tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
-             plain_role: str = "assistant", topk: int = 8, split: str | None = None) -> DumpSummary:
+             plain_role: str = "assistant", topk: int = 8, split: str | None = None,
+             engine_bin=None) -> DumpSummary:
     """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
 
     engine      "hf" (transformers reference engine); "strata" is not implemented yet
@@ -278,18 +339,31 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
 
     if engine not in ENGINES:
         raise L47Error("l47 dump", "--engine", f"one of {list(ENGINES)}", repr(engine))
-    if engine == "strata":
-        raise L47Error("l47 dump", "--engine", "hf (the strata adapter is not implemented yet)", "strata")
     if model_path is None or inputs is None or out_dir is None:
         raise L47Error("l47 dump", "arguments", "model_path, inputs and out_dir", "one missing")
     if plain_role not in names.ROLE_ID:
         raise L47Error("l47 dump", "plain_role", f"one of {list(names.ROLES)}", repr(plain_role))
     tol = DEFAULT_TOLERANCE[engine] if tolerance is None else float(tolerance)
     model_path, out_dir = Path(model_path), Path(out_dir)
-    model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer)
+    sbin = None
+    if engine == "strata":
+        from l47.engine import strata
+        from l47.engine.hf import model_id
+        from l47.vocab import vocab_for_model
+        from l47.weights import load_tail_weights
+
+        sbin = strata.strata_binary(engine_bin)
+        if not model_path.is_file():
+            raise L47Error(model_path, "model", "the qwen4exp GGUF the Strata binary runs", "not a file")
+        model, cfg = None, None
+        tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
+        mid, default_vocab = model_id(model_path), vocab_for_model(model_path)
+        emeta = {"name": "strata", "bin": str(sbin)}
+    else:
+        model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer)
+        cfg = model.config
     vocab = vocab or default_vocab
     L = tail.layer
-    cfg = model.config
     docset = inputs if isinstance(inputs, DocumentSet) else read_documents(inputs, split=split)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[DocResult] = []
@@ -323,21 +397,30 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                     results.append(DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model"))
                     say(f"  {doc.id}: skipped (already dumped with the same input and model)")
                     continue
-                r = _render(doc, vocab, generate, model, mid, plain_role)
-                arrays = capture(model, r.tokens, L, ref_logits=ref_logits, topk=topk,
-                                 where=f"{doc.source} (doc {doc.id!r})")
-                arrays["role"] = r.role
-                meta = DumpMeta(
-                    schema_version=SCHEMA_VERSION, doc_id=doc.id, layer=L, n=int(cfg.hidden_size),
-                    f=int(cfg.shared_expert_intermediate_size), hc=int(cfg.hc_count), r=int(cfg.hc_lowrank),
-                    V=int(cfg.vocab_size), model=mid, engine=emeta, inj_convention=INJ_CONVENTION,
-                    hh_precision=HH_PRECISION, provenance=r.provenance, text=r.text,
-                    source={"input": str(inputs) if isinstance(inputs, (str, Path)) else "documents",
-                            "where": doc.source, "input_sha256": ih, "doc_sha256": doc.sha256()},
-                )
+                source = {"input": str(inputs) if isinstance(inputs, (str, Path)) else "documents",
+                          "where": doc.source, "input_sha256": ih, "doc_sha256": doc.sha256()}
+                if sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
+                    raw_dir = out_dir / ".strata-raw" / path.stem
+                    arrays, fields = _strata_document(sbin, model_path, doc, vocab, generate, raw_dir, L, mid,
+                                                      plain_role, topk, ref_logits, source)
+                    meta = DumpMeta(**fields)
+                    T = int(len(arrays["tokens"]) - 1)
+                else:
+                    r = _render(doc, vocab, generate, model, mid, plain_role)
+                    arrays = capture(model, r.tokens, L, ref_logits=ref_logits, topk=topk,
+                                     where=f"{doc.source} (doc {doc.id!r})")
+                    arrays["role"] = r.role
+                    meta = DumpMeta(
+                        schema_version=SCHEMA_VERSION, doc_id=doc.id, layer=L, n=int(cfg.hidden_size),
+                        f=int(cfg.shared_expert_intermediate_size), hc=int(cfg.hc_count), r=int(cfg.hc_lowrank),
+                        V=int(cfg.vocab_size), model=mid, engine=emeta, inj_convention=INJ_CONVENTION,
+                        hh_precision=HH_PRECISION, provenance=r.provenance, text=r.text, source=source,
+                    )
+                    T = len(r.tokens) - 1
                 write_dump(pending, arrays, meta)
                 mx, mean = zero_proxy(tail, read_dump(pending))
-                T = len(r.tokens) - 1
+                if sbin is not None:
+                    strata.remove_raw(raw_dir, L)
                 if mx <= tol:
                     os.replace(pending, path)
                     refused.unlink(missing_ok=True)  # a stale refusal from an earlier run

@@ -287,8 +287,11 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
             reasons.append(f"a {d.set} document must be a chat with turns, a <think> block and terminal "
                            f"positions; it has no {', no '.join(lacks)}")
 
-    d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
-    d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
+    if stats is None:  # blind: structure only; its events are scored once, by the blind audit
+        d.events, d.collateral = [], []
+    else:
+        d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
+        d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
     thr = th.non_event_p
     n_ev = sum(1 for _, q in d.events if q >= thr)
     content_mask = role != names.ROLE_ID["template"]
