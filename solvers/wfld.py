@@ -10,6 +10,10 @@ linear prediction), at every training event e (rejected token r, chosen natural 
     Δ(ℓ_r − ℓ_c) ≤ −margin · scale_phrase      (FTPO margin; ℓ = log p)
     Δℓ_c        ≥ δ_cho                         (freed mass goes to natural alternatives, seed §6.1)
     Δℓ_s        ≤ 0                             (no rise of any special token)
+    ℓ_r − ℓ_c   ≤ log(p_cap / (1 − p_cap))      (optional absolute margin: for near-certain slop a change-based
+                                                 margin alone leaves p(rejected) ≈ 1; a logit difference, so it
+                                                 does not saturate the way log p_r does)
+Far targets are approached by continuation: each Gauss–Newton step moves a row's target by at most max_step.
 and exactly ΔW·hh_a = 0 at every protected anchor a (ΔW = Y Bᵀ with B an orthonormal basis of the anchors'
 null space; no approximation).
 
@@ -41,12 +45,14 @@ from l47.solvers.fisher import fisher_factors, mu_lse
 @dataclass(frozen=True)
 class WfldConfig:
     margin: float = 2.0  # nats, times the phrase's scale
+    p_cap: float = 0.0  # > 0: absolute FTPO margin too: ℓ_r − ℓ_c ≤ log(p_cap / (1 − p_cap)) after the edit
+    max_step: float = 1.5  # nats: per Gauss–Newton step, a constraint's target moves at most this far (continuation)
     delta_cho: float = 0.05  # nats; > 0 so freed mass goes to natural alternatives (0 = the seed's v3.1 setting)
     n_chosen: int = 1
     ridge: float = 1e-2  # ρ relative to mean(γ)·mean(α)
     bg_weight: float = 1.0  # β
     fisher_topk: int = 32
-    gn_iters: int = 6
+    gn_iters: int = 12
     gn_tol: float = 1e-3  # nats: |exact − linear prediction| of every constraint
     anchor_tol: float = 1e-6  # relative singular-value cut for the anchors' span
     max_removed: float = 0.95  # an event whose key loses more than this to the protected span is infeasible
@@ -111,7 +117,11 @@ def _constraints(ev: Batch, terms: EventTerms, w: TailWeights, W: torch.Tensor, 
     d_cho = lp["chosen"] - base["chosen"]
     for j in range(terms.chosen.shape[1]):
         c = terms.chosen[:, j]
-        add(d_rej - d_cho[:, j], -cfg.margin * terms.scale, head[terms.rejected] - head[c], f"margin{j}")
+        bound = -cfg.margin * terms.scale.double()
+        if cfg.p_cap > 0:  # absolute margin: final gap ≤ log(p_cap/(1−p_cap)), scaled per phrase
+            gap0 = base["rejected"] - base["chosen"][:, j]
+            bound = torch.minimum(bound, float(np.log(cfg.p_cap / (1 - cfg.p_cap))) * terms.scale.double() - gap0)
+        add(d_rej - d_cho[:, j], bound, head[terms.rejected] - head[c], f"margin{j}")
         add(-d_cho[:, j], -cfg.delta_cho, -(head[c] - mu), f"chosen{j}")
     if cfg.special_constraints:
         d_sp = lp["special"] - base["special"]
@@ -204,7 +214,8 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         Gh = grads @ UG  # [m, n] gradients in the G-eigenbasis
         Hrow = Hh[torch.as_tensor(evr, device=dev)]  # [m, f']
         cur = (Gh * ((UG.T @ Y @ UA) @ Hrow.T).T).sum(1).cpu().numpy()  # ⟨A_i, ΔW_k⟩
-        b_lin = bounds - vals + cur
+        step_b = np.maximum(bounds, vals - cfg.max_step)  # continuation: move each target ≤ max_step per step
+        b_lin = step_b - vals + cur
         K = _dual_gram(Gh, Hh, D, evr)
         mu = _nnls_dual(K, b_lin)
         mu_t = torch.as_tensor(mu, dtype=torch.float64, device=dev)
