@@ -199,13 +199,15 @@ def _bundle_scope(ev: Evidence) -> Measure:
 
 
 @register("proxy.base_ce", family="not a proxy", direction=LE, threshold=None, mode=MODE_BOTH,
-          aggregation="max over scored documents of the mean over content targets",
+          aggregation="token-pooled mean over the content targets of every scored document (the per-document "
+                      "values and their max are listed: a small model can be far off on a single OOD document "
+                      "without being a proxy; a proxy is near ln V everywhere, seed §3)",
           threshold_from="thresholds.ce_proxy_frac · ln V",
           definition="base CE of the exact tail forward on the natural documents; a proxy sits near ln V")
 def _proxy_ce(ev: Evidence) -> Measure:
     p = ev.proxy
-    return Measure(p.get("ce_max"), {"ln_V": p.get("ln_V"), "per_doc": {k: v["ce"] for k, v in
-                                                                        p.get("docs", {}).items()}},
+    return Measure(p.get("ce_pooled"), {"ln_V": p.get("ln_V"), "ce_max": p.get("ce_max"), "tokens": p.get("tokens"),
+                                        "per_doc": {k: v["ce"] for k, v in p.get("docs", {}).items()}},
                    threshold=p.get("limit"))
 
 

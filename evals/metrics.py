@@ -136,17 +136,22 @@ def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float)
     tail forward with the engine's own log p (relative |Δ| = |Δ log p| / max(1, |log p|))."""
     per, zp = {}, {}
     tmpl = names.ROLE_ID["template"]
+    nll_sum, n_tok = 0.0, 0  # pooled over every content target of every scored document (f64)
     for d in docs:
         lp = d.ps.base.logp_target  # [T]
         m = d.role != tmpl
         m = m if m.any() else np.ones_like(m)
+        nll_sum += float(-lp[m].sum())
+        n_tok += int(m.sum())
         per[d.path] = {"set": d.set, "ce": float(-lp[m].mean()), "top1": float((d.ps.base.argmax == d.targets).mean()),
                        "T": d.T}
         if d.verified and d.ref_logp is not None:
             rel = np.abs(d.ref_logp - lp) / np.maximum(1.0, np.abs(lp))  # [T]
             zp[d.path] = {"max_rel": float(rel.max()), "mean_abs": float(np.abs(d.ref_logp - lp).mean())}
     ce_max = max((v["ce"] for v in per.values()), default=None)
-    return {"ln_V": math.log(V), "limit": ce_frac * math.log(V), "ce_max": ce_max, "docs": per,
+    ce_pooled = nll_sum / n_tok if n_tok else None
+    return {"ln_V": math.log(V), "limit": ce_frac * math.log(V), "ce_max": ce_max, "ce_pooled": ce_pooled,
+            "tokens": n_tok, "docs": per,
             "zero_proxy": zp, "zero_proxy_max": max((v["max_rel"] for v in zp.values()), default=None),
             "unverified": sorted(d.path for d in docs if not d.verified), "tol": tol}
 

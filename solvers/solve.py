@@ -27,7 +27,7 @@ from l47.solvers.ftpo import FtpoConfig, train_ftpo
 from l47.solvers.wfld import WfldConfig, solve_wfld
 
 METHODS = ("wfld", "ftpo")
-COMMON_KEYS = ("seed", "max_background", "n_chosen", "wfld", "ftpo")
+COMMON_KEYS = ("seed", "max_background", "max_anchors_per_word", "n_chosen", "wfld", "ftpo")
 SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")  # the only sets a solve reads
 
 
@@ -48,6 +48,8 @@ class SolveConfig:
     method: str
     seed: int = 0
     max_background: int = 4000
+    max_anchors_per_word: int = 0  # > 0: protect at most this many collateral contexts per word (evenly spread);
+    # every exact anchor removes a direction of hh from what ΔW may use (f is the budget, DESIGN §5)
     n_chosen: int = 1
     wfld: WfldConfig = WfldConfig()
     ftpo: FtpoConfig = FtpoConfig()
@@ -72,6 +74,7 @@ def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
     if bad:
         raise L47Error(where, f"[solver] key(s) {bad}", f"one of {list(COMMON_KEYS)}", str(bad))
     return SolveConfig(method=method, seed=int(t.get("seed", 0)), max_background=int(t.get("max_background", 4000)),
+                       max_anchors_per_word=int(t.get("max_anchors_per_word", 0)),
                        n_chosen=int(t.get("n_chosen", 1)), wfld=_sub(WfldConfig, t.get("wfld", {}), where + " [solver.wfld]"),
                        ftpo=_sub(FtpoConfig, t.get("ftpo", {}), where + " [solver.ftpo]"))
 
@@ -159,6 +162,13 @@ def run_solve(args: SolveArgs, log=print) -> dict:
                        scale=torch.as_tensor([scale_of.get(e.phrase, 1.0) for e in train], device=w.device))
     anchors_rec = sorted([c for c in report.collateral if c.set == "collateral_anchor"],
                          key=lambda c: (c.doc_sha256, c.pos))
+    if cfg.max_anchors_per_word > 0:
+        keep = []
+        for word in sorted({c.word for c in anchors_rec}):
+            occ = [c for c in anchors_rec if c.word == word]
+            idx = np.unique(np.linspace(0, len(occ) - 1, min(len(occ), cfg.max_anchors_per_word)).round().astype(int))
+            keep += [occ[i] for i in idx]
+        anchors_rec = sorted(keep, key=lambda c: (c.doc_sha256, c.pos))
     an = batch_of([(c.doc_sha256, c.pos) for c in anchors_rec])
     bg_docs = sorted([d for d in report.docs if d.set == "background" and not d.refused], key=lambda d: d.sha256)
     if not bg_docs:

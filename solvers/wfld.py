@@ -47,16 +47,18 @@ class WfldConfig:
     margin: float = 2.0  # nats, times the phrase's scale
     p_cap: float = 0.0  # > 0: absolute FTPO margin too: ℓ_r − ℓ_c ≤ log(p_cap / (1 − p_cap)) after the edit
     max_step: float = 1.5  # nats: per Gauss–Newton step, a constraint's target moves at most this far (continuation)
+    step_sizes: tuple = (1.0, 0.5, 0.25)  # backtracking fractions of each Gauss–Newton step
     delta_cho: float = 0.05  # nats; > 0 so freed mass goes to natural alternatives (0 = the seed's v3.1 setting)
     n_chosen: int = 1
     ridge: float = 1e-2  # ρ relative to mean(γ)·mean(α)
     bg_weight: float = 1.0  # β
     fisher_topk: int = 32
-    gn_iters: int = 12
+    gn_iters: int = 20
     gn_tol: float = 1e-3  # nats: |exact − linear prediction| of every constraint
     anchor_tol: float = 1e-6  # relative singular-value cut for the anchors' span
     max_removed: float = 0.95  # an event whose key loses more than this to the protected span is infeasible
     special_constraints: bool = True
+    special_margin: float = 0.0  # nats: Δℓ_s ≤ −special_margin (> 0 leaves slack so held-out positions do not rise)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class WfldResult:
     violation: float  # max constraint violation of the exact forward (nats; 0 = all met)
     removed: list[float]  # per event: fraction of ‖hh‖² in the protected span
     infeasible_events: list[int]
+    worst_rows: list[dict]  # the most violated constraints at the end (event index, kind, value, bound)
     anchor_rank: int
     null_dim: int
     predicted_bg_kl: float  # ½ tr(ΔWᵀ G ΔW A) — the K-FAC prediction of mean background KL
@@ -123,10 +126,14 @@ def _constraints(ev: Batch, terms: EventTerms, w: TailWeights, W: torch.Tensor, 
             bound = torch.minimum(bound, float(np.log(cfg.p_cap / (1 - cfg.p_cap))) * terms.scale.double() - gap0)
         add(d_rej - d_cho[:, j], bound, head[terms.rejected] - head[c], f"margin{j}")
         add(-d_cho[:, j], -cfg.delta_cho, -(head[c] - mu), f"chosen{j}")
-    if cfg.special_constraints:
-        d_sp = lp["special"] - base["special"]
-        for j in range(d_sp.shape[1]):
-            add(d_sp[:, j], 0.0, head[terms.special[j]][None, :] - mu, f"special{j}")
+    if cfg.special_constraints and terms.special.numel():
+        # the special tokens' total mass: Δ log Σ_s p_s ≤ −special_margin (what bar (f) measures; one smooth row
+        # per event instead of one per token, whose tiny probabilities make the linearisation poor)
+        lse_sp = torch.logsumexp(lp["special"], 1)  # [E] log Σ p_s (f64)
+        lse_sp0 = torch.logsumexp(base["special"], 1)
+        w_sp = torch.softmax(lp["special"], 1)  # [E, ks] share of each special in the mass
+        u = w_sp @ head[terms.special] - mu  # [E, n] ∂ log Σ p_s / ∂mix
+        add(lse_sp - lse_sp0, -cfg.special_margin, u, "special_mass")
     return (np.array(rows_val), torch.stack(rows_grad), np.array(rows_b), np.array(rows_ev), rows_kind, lp)
 
 
@@ -200,12 +207,17 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
     base = _base_logps(events, terms, w)
     Y = torch.zeros(w.n, null_dim, dtype=torch.float64, device=dev)
     dW = torch.zeros(w.n, w.f, dtype=torch.float32, device=dev)
-    iters, pred, residual = [], None, float("nan")
+    iters, pred, residual, keep = [], None, float("nan"), None
     for it in range(cfg.gn_iters + 1):
         vals, grads, bounds, evr, kinds, _ = _constraints(events, terms, w, W0 + dW, base, cfg, active)
         residual = float(np.abs(vals - pred).max()) if pred is not None else float("nan")
-        violation = float(np.clip(vals - bounds, 0, None).max())
+        excess = vals - bounds  # [m] > 0: violated
+        violation = float(np.clip(excess, 0, None).max())
+        worst = [dict(event=int(evr[i]), kind=kinds[i], value=float(vals[i]), bound=float(bounds[i]))
+                 for i in np.argsort(-excess)[:5] if excess[i] > cfg.gn_tol]
         iters.append(dict(iter=it, residual=residual, violation=violation, rows=len(vals)))
+        if keep is None or violation < keep[0] - 1e-12:  # the best exact iterate is the one returned
+            keep = (violation, residual, dW, worst)
         if log:
             log(f"WFLD GN step {it}: {len(vals)} constraints, max violation {violation:.4g} nats, "
                 f"linear-prediction residual {residual:.3g}")
@@ -222,11 +234,23 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         Yhat = -D * (Gh.T @ (mu_t[:, None] * Hrow))  # [n, f']
         Y_new = UG @ Yhat @ UA.T
         new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()
-        pred = vals + (new_lin - cur)
-        Y = Y_new
-        dW = (Y @ B.T).to(torch.float32)  # [n, f]
+        # damped step (backtracking on the exact forward): far from the linearisation point the log-probs of
+        # small-probability tokens move non-linearly, and a full step can overshoot
+        best = None
+        for alpha in cfg.step_sizes:
+            Y_try = Y + alpha * (Y_new - Y)
+            dW_try = (Y_try @ B.T).to(torch.float32)  # [n, f]
+            v_try = _constraints(events, terms, w, W0 + dW_try, base, cfg, active)[0]
+            score = float(np.clip(v_try - np.maximum(bounds, vals - cfg.max_step), 0, None).max())
+            if best is None or score < best[0] - 1e-9:
+                best = (score, alpha, Y_try, dW_try)
+            if score <= cfg.gn_tol:
+                break
+        _, alpha, Y, dW = best
+        pred = vals + alpha * (new_lin - cur)
+    violation, residual, dW, worst = keep
     Bk = dW.double() @ B  # ΔW in reduced coordinates
     pred_kl = 0.5 * float(torch.trace(Bk.T @ ff.G @ Bk @ ff.A))
     return WfldResult(dW=dW, iterations=iters, residual=residual, violation=violation, removed=removed,
-                      infeasible_events=infeasible, anchor_rank=rank, null_dim=null_dim, predicted_bg_kl=pred_kl,
+                      infeasible_events=infeasible, worst_rows=worst, anchor_rank=rank, null_dim=null_dim, predicted_bg_kl=pred_kl,
                       fisher_tail_mass=ff.tail_mass, warnings=warnings)
