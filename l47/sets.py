@@ -15,6 +15,7 @@ report stores p = exp(log p) as f64.
 from __future__ import annotations
 
 import json
+import hashlib
 import math
 import os
 import tempfile
@@ -220,6 +221,7 @@ class _Doc:
     events: list = field(default_factory=list)  # (Event, p)
     collateral: list = field(default_factory=list)  # (Collateral, p)
     generated_roles: frozenset = frozenset()  # role codes whose provenance is "generated"
+    content_key: str = ""  # sha256 of the token ids: the split key (independent of paths and metadata)
 
 
 def _refused(d: _Doc, reason: str, doc_id: str = "", T: int = 0) -> _Doc:
@@ -241,6 +243,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     except L47Error as e:
         return _refused(d, f"unreadable dump: {e}")
     d.sha = dump.sha256
+    d.content_key = hashlib.sha256(np.ascontiguousarray(dump.tokens, dtype="<i4").tobytes()).hexdigest()
     meta = dump.meta
     d.generated_roles = frozenset(names.ROLE_ID[r] for r, v in (meta.provenance or {}).items()
                                   if r in names.ROLE_ID and v == PROV_GENERATED)
@@ -382,7 +385,8 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
             seen[d.sha] = d
         docs.append(d)
 
-    # --- seeded split of the pool, by document (key: content hash, so file names do not matter)
+    # --- seeded split of the pool, by document (key: hash of the token ids, so file names and metadata such as
+    #     the input path do not matter)
     split_info = None
     thr = th.non_event_p
     if exp.split is not None:
@@ -393,11 +397,11 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
             for e, q in d.events:
                 if q >= thr:
                     c[e.phrase] = c.get(e.phrase, 0) + 1
-            counts[d.sha] = c
+            counts[d.content_key] = c
         res = split_documents(counts, exp.split.seed, exp.split.fractions, th.heldout_frac,
                               th.min_heldout_per_phrase)
         for d in pool:
-            d.set = res.assignment[d.sha]
+            d.set = res.assignment[d.content_key]
             d.report = replace(d.report, set=d.set)
         split_info = {"seed": exp.split.seed, "fractions": dict(exp.split.fractions),
                       "assignment": {str(d.path): d.set for d in pool}, "heldout_frac": res.heldout_frac}
