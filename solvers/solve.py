@@ -190,8 +190,19 @@ def run_solve(args: SolveArgs, log=print) -> dict:
         if devs:
             db = batch_of([(e.doc_sha256, e.pos) for e in sorted(devs, key=lambda e: (e.doc_sha256, e.pos))])
             dev_batch = (db, torch.as_tensor([e.final for e in sorted(devs, key=lambda e: (e.doc_sha256, e.pos))]))
-        res = train_ftpo(w, terms, ev, bg, an, [c.token_id for c in anchors_rec] if an is not None else None,
-                         dev_batch, cfg.ftpo)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      TextColumn("{task.description}"), transient=True, disable=log is None) as bar:
+            task = bar.add_task("", total=cfg.ftpo.steps)
+
+            def live(r: dict) -> None:
+                bar.update(task, advance=1, description=f"loss {r['loss']:.4f} pref {r['pref']:.4f} "
+                           f"KL {r['kl']:.2e} coll {r['coll']:.2e}"
+                           + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""))
+
+            res = train_ftpo(w, terms, ev, bg, an, [c.token_id for c in anchors_rec] if an is not None else None,
+                             dev_batch, cfg.ftpo, progress=live)
         dW, method_summary = res.dW, res.summary()
 
     # ---- re-quantise and score as shipped
