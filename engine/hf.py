@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from l47.errors import L47Error
+from l47.fileio import sha256_file
 
 ENGINE_NAME = "hf"
 INJ_CONVENTION = "raw"  # inj = inject_w · hc_norm(R); the forward applies 2σ(inj / hc)
@@ -57,14 +58,6 @@ class SamplerSettings:
 # identity and settings
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK_FILES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def model_id(path) -> str:
     """The `model` field of a dump: sha256 of a GGUF file; "hf:" + sha256 over a checkpoint directory's
     config.json and weight files (name + content hash, sorted) for a transformers checkpoint."""
@@ -78,7 +71,7 @@ def model_id(path) -> str:
         raise L47Error(path, "model path", "a GGUF file or a transformers checkpoint directory", "neither")
     h = hashlib.sha256()
     for p in files:
-        h.update(f"{p.name}\0{_sha256_file(p)}\n".encode())
+        h.update(f"{p.name}\0{sha256_file(p)}\n".encode())
     return "hf:" + h.hexdigest()
 
 

@@ -378,12 +378,12 @@ def _f_flips(ev: Evidence) -> Measure:
     return Measure(float(f["damage"]), {"docs": f["docs"], "by_kind": f["by_kind"]}, threshold=0.0)
 
 
-@register("f.special_mass", family="(f)", direction=LE, threshold=None,
+@register("f.special_mass", family="(f)", direction=LE, threshold="special_rise_tol",
           aggregation="max over splits of (mean after − mean before) of Σ p(special) at slop events",
           definition="no rise of the special tokens' mean probability at slop positions")
 def _f_mass(ev: Evidence) -> Measure:
     s = ev.special_mass
-    return Measure(s.get("max_rise"), {"per_split": s.get("per_split")}, threshold=0.0)
+    return Measure(s.get("max_rise"), {"per_split": s.get("per_split")})
 
 
 @register("f.turn_end_argmax", family="(f)", direction=LE, threshold=None,
@@ -453,10 +453,10 @@ register("blind.f.flips", family="blind", direction=LE, threshold=None, mode=MOD
          aggregation="count", definition="(f) flips to a special token on the blind document")(
     _blind_part("flips", lambda f: Measure(float(f["damage"]) if f.get("docs") else None,
                                            {"by_kind": f.get("by_kind")}, threshold=0.0)))
-register("blind.f.special_mass", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
+register("blind.f.special_mass", family="blind", direction=LE, threshold="special_rise_tol", mode=MODE_BLIND,
          aggregation="mean after − mean before at the blind document's slop events",
          definition="(f) no rise of special-token mass at slop positions")(
-    _blind_part("special_mass", lambda s: Measure(s.get("max_rise"), {"per_split": s.get("per_split")}, threshold=0.0)))
+    _blind_part("special_mass", lambda s: Measure(s.get("max_rise"), {"per_split": s.get("per_split")})))
 register("blind.f.turn_end_argmax", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
          aggregation="count", definition="(f) real turn ends losing the <|im_end|> argmax")(
     _blind_part("turn_ends", lambda t: Measure(float(t["lost"]) if t.get("n") else None, {"n": t.get("n")},

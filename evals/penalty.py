@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from l47.fileio import write_text_atomic
 from l47.errors import L47Error
 
 PENALTY_SCHEMA = "l47.penalty/1"
@@ -315,19 +314,6 @@ class PenaltyResult:
         return asdict(self)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def run_penalty(args: PenaltyArgs, console=None) -> PenaltyResult:
     """Build the penalty from the experiment's phrases, export it as JSON, and simulate it exactly on the
     events of `args.sets` (alone, and stacked on `args.bundle`), with the cheap forms' extra hits."""
@@ -397,7 +383,7 @@ def run_penalty(args: PenaltyArgs, console=None) -> PenaltyResult:
                 for ph, v in acc.items()}
     eh = {f: {"positions": sum(e.positions for e in v), "pairs": sum(e.pairs for e in v),
               "target_hit": sum(e.target_hit for e in v)} for f, v in extra.items()}
-    _atomic_write(args.out, spec.to_json(vocab.decode))
+    write_text_atomic(args.out, spec.to_json(vocab.decode))
     res = PenaltyResult(str(args.out), len(spec.rules), spec.bias, spec.form, residual, unchanged, max_abs, pen_rows,
                         eh)
     if console is not None:

@@ -126,7 +126,7 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
     import l47
     from l47 import record as rec
     from l47.gguf_io import open_gguf
-    from l47.solvers.solve import _atomic_write_text
+    from l47.fileio import write_text_atomic
 
     touched = [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_SLOP, c.word, c.p_base)
                for c in sets_report.collateral if c.token_id == word_id and c.set in ("collateral_anchor",)]
@@ -136,7 +136,7 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
                         base_sha256=open_gguf(base).sha256(), bundle_sha256=open_gguf(bundle).sha256(),
                         target="", config={"word_id": word_id}, inputs=[], touched=touched, claims={})
     p = rec.record_path_for(bundle)
-    _atomic_write_text(p, r.to_json())
+    write_text_atomic(p, r.to_json())
     return p
 
 

@@ -47,6 +47,8 @@ class Thresholds:
     chat_ordinary_dlogp: float = -0.01  # (g) ordinary-token mean Δlog p on the held-out chat document
     chat_kld: float = 0.005  # (g) its KLD
     im_end_dlogp: float = -0.005  # (f) mean Δlog p(<|im_end|>) at real turn ends
+    special_rise_tol: float = 1e-6  # (f) Σ p(special) at slop positions may not rise by more (float scale;
+    # seed §6.1's failure was 7/21 argmax flips to <|im_end|>, i.e. a rise of ~0.3)
     blind_residual_factor: float = 1.5  # blind slop residual ratio ≤ this × the dev report's (seed §6.2)
     zero_proxy_tol: float = 1e-3  # |Δ log p| engine vs tail forward, relative (seed §3.1 precision)
     ce_proxy_frac: float = 0.5  # natural text: base CE ≤ this · ln V (a proxy sits near ln V, seed §3 (1))

@@ -22,7 +22,6 @@ File layout (GGUF v2/v3, little-endian):
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import shutil
@@ -36,6 +35,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from l47.errors import L47Error
+from l47.fileio import sha256_file
 from l47.names import DEFAULT_ALIGNMENT, KEY_ALIGNMENT, KEY_ARCH
 
 GGUF_MAGIC = b"GGUF"
@@ -216,21 +216,13 @@ class GGUFFile:
         st = os.stat(self.path)
         stamp = (st.st_size, st.st_mtime_ns)
         if self._sha is None or self._sha[0] != stamp:
-            self._sha = (stamp, _sha256_file(self.path))
+            self._sha = (stamp, sha256_file(self.path))
         return self._sha[1]
 
     def _span(self, name: str) -> tuple[int, int]:
         """(absolute start, length) of a tensor's bytes; for unknown types, up to the next tensor (padding too)."""
         ti = self.info(name)
         return ti.offset, (ti.nbytes if ti.nbytes is not None else self._extents[name])
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def open_gguf(path) -> GGUFFile:

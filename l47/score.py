@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from l47.errors import L47Error
+from l47.fileio import write_text_atomic
 from l47.forward import HeadStats, PairedStats, score_dump, score_pair
 from l47.weights import TailWeights, check_dump_dims, load_tail_weights, runtime_tensor
 
@@ -65,19 +64,6 @@ def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
     return W, b.sha256()
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 TSV_BASE = ("doc", "pos", "target", "logp_target", "argmax")
 TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
 
@@ -124,7 +110,7 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
         if progress is not None:
             progress()
     if args.tsv is not None:
-        _atomic_text(args.tsv, buf.getvalue())
+        write_text_atomic(args.tsv, buf.getvalue())
     if args.ledger is not None:
         append_ledger(args.ledger, [(h, bsha or w.model_sha256) for h in hashes], "score")
     return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes))

@@ -7,9 +7,7 @@ same command on the same inputs writes the same bytes (no timestamps; determinis
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,8 @@ import torch
 import l47
 from l47 import record as rec
 from l47.errors import L47Error
-from l47.forward import mix_of_dump, paired_stats, score_pair
+from l47.fileio import sha256_file, write_text_atomic
+from l47.forward import paired_stats
 from l47.weights import load_tail_weights
 from l47.solvers.batch import EventTerms, Batch, batch_mix, gather, pick_chosen
 from l47.solvers.bundle import requantize_target, write_bundle, write_overlay
@@ -84,18 +83,6 @@ def _check_model_hash(d, w, path):
     if len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != w.model_sha256:
         raise L47Error(path, "meta.model", f"the base model's sha256 {w.model_sha256[:16]}…",
                        f"{m[:16]}… (dumped from another model)")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _p_by_phrase(phrases, p):
@@ -249,7 +236,7 @@ def run_solve(args: SolveArgs, log=print) -> dict:
 
     # ---- bundle, record, ledger
     inputs = [rec.InputFile(str(Path(model)), base_g.sha256(), "model"),
-              rec.InputFile(str(exp.path), _sha_file(exp.path), "experiment")]
+              rec.InputFile(str(exp.path), sha256_file(exp.path), "experiment")]
     inputs += [rec.InputFile(d.path, d.sha256, d.set) for d in sorted(report.docs, key=lambda d: (d.set, d.sha256))]
     prov = {"method": cfg.method, "toolkit_version": l47.__version__, "seed": str(cfg.seed),
             "base_sha256": base_g.sha256(), "target": w.target, "config": cfg.to_dict(),
@@ -270,7 +257,7 @@ def run_solve(args: SolveArgs, log=print) -> dict:
                              base_sha256=base_g.sha256(), bundle_sha256=bundle_sha, target=w.target,
                              config=cfg.to_dict(), inputs=inputs, touched=touched, claims=claims,
                              notes=list(method_summary.get("warnings", [])) if isinstance(method_summary, dict) else [])
-    _atomic_write_text(rec.record_path_for(out), record.to_json())
+    write_text_atomic(rec.record_path_for(out), record.to_json())
     ledger = args.ledger or out.parent / "ledger.jsonl"
     scored = sorted({d.sha256 for d in report.docs if d.set != "blind"})  # sets never scores a blind document
     append_ledger(ledger, [(s, bundle_sha) for s in scored], "solve")
@@ -279,13 +266,3 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     claims["record"] = str(rec.record_path_for(out))
     claims["config"] = cfg.to_dict()
     return claims
-
-
-def _sha_file(p) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        for b in iter(lambda: fh.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()

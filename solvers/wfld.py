@@ -58,7 +58,7 @@ class WfldConfig:
     anchor_tol: float = 1e-6  # relative singular-value cut for the anchors' span
     max_removed: float = 0.95  # an event whose key loses more than this to the protected span is infeasible
     special_constraints: bool = True
-    special_margin: float = 0.0  # nats: Δℓ_s ≤ −special_margin (> 0 leaves slack so held-out positions do not rise)
+    special_margin: float = 0.1  # nats: Δℓ_s ≤ −special_margin (> 0 leaves slack so held-out positions do not rise)
 
 
 @dataclass(frozen=True)
