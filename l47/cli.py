@@ -62,7 +62,8 @@ def score(
     tsv: Optional[Path] = typer.Option(None, "--tsv", help="per-position TSV output"),
     policy: str = typer.Option("strata", help="runtime weight policy: strata | exact"),
     device: str = typer.Option("cpu"),
-    ledger: Optional[Path] = typer.Option(None, help="append scored document hashes to this ledger"),
+    ledger: Optional[Path] = typer.Option(None, help="append scored document hashes to this ledger "
+                                          "(default $L47_LEDGER)"),
 ):
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
     from rich.progress import Progress
@@ -148,11 +149,12 @@ def sets(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
     model: Optional[Path] = typer.Option(None, "--model"),
     device: str = typer.Option("cpu"),
+    ledger: Optional[Path] = typer.Option(None, help="append scored documents to this ledger (default $L47_LEDGER)"),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
     from l47.sets import run_sets
 
-    raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device))
+    raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device, ledger=ledger))
 
 
 @app.command()

@@ -26,6 +26,16 @@ class LedgerEntry:
     time: float
 
 
+LEDGER_ENV = "L47_LEDGER"
+
+
+def default_ledger() -> Path | None:
+    """The ledger `score` and `sets` append to when none is named: $L47_LEDGER, else none. (`solve` defaults to
+    the bundle's folder, `audit` to its output folder.)"""
+    v = os.environ.get(LEDGER_ENV)
+    return Path(v) if v else None
+
+
 def read_ledger(path: Path) -> list[LedgerEntry]:
     path = Path(path)
     if not path.exists():

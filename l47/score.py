@@ -71,7 +71,7 @@ TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
 def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
     """Score every dump; with a bundle, paired base-vs-edited statistics from one streamed pass each."""
     from l47.dumps import read_dump
-    from l47.ledger import append_ledger
+    from l47.ledger import append_ledger, default_ledger
 
     w = load_tail_weights(args.model, policy=args.policy, device=args.device)
     W_new, bsha = (None, None)
@@ -111,8 +111,9 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
             progress()
     if args.tsv is not None:
         write_text_atomic(args.tsv, buf.getvalue())
-    if args.ledger is not None:
-        append_ledger(args.ledger, [(h, bsha or w.model_sha256) for h in hashes], "score")
+    ledger = args.ledger if args.ledger is not None else default_ledger()
+    if ledger is not None:
+        append_ledger(ledger, [(h, bsha or w.model_sha256) for h in hashes], "score")
     return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes))
 
 

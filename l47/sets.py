@@ -546,11 +546,13 @@ def render_sets_table(report: SetsReport) -> list:
     return out
 
 
-def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu") -> int:
+def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu", ledger=None) -> int:
     """`l47 sets EXPERIMENT.toml [--json out.json]`: build, print, write. Exit code 0 when there are no
     warnings (no refused documents, enough held-out events and collateral), 1 otherwise; bad input raises
     L47Error (the CLI prints it and exits 2)."""
     from rich.console import Console
+
+    from l47.ledger import default_ledger
 
     console = console or Console()
     exp = load_experiment(experiment_path)
@@ -560,4 +562,10 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     if json_out is not None:
         p = write_sets_json(report, json_out)
         console.print(f"sets JSON: {p}")
+    ledger = ledger if ledger is not None else default_ledger()
+    if ledger is not None:  # every document scored here, against the base model (blind ones are never scored)
+        from l47.ledger import append_ledger
+
+        append_ledger(ledger, [(d.sha256, report.model_sha256) for d in report.docs
+                               if d.set != "blind" and d.sha256 and d.ce is not None], "sets")
     return 1 if report.warnings else 0
