@@ -64,13 +64,14 @@ def score(
     device: str = typer.Option("cpu"),
     ledger: Optional[Path] = typer.Option(None, help="append scored document hashes to this ledger "
                                           "(default $L47_LEDGER)"),
+    allow_other_model: bool = typer.Option(False, help="score dumps made from another model"),
 ):
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
     from rich.progress import Progress
 
     from l47.score import ScoreArgs, run_score
 
-    args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger)
+    args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger, allow_other_model)
     with Progress(console=err_console, transient=True) as prog:
         task = prog.add_task("scoring", total=len(dumps))
         res = run_score(args, progress=lambda: prog.advance(task))

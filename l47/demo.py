@@ -38,9 +38,9 @@ class DemoArgs:
 
 def _subset_jsonl(src: Path, dst: Path, n: int | None) -> Path:
     lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text("\n".join(lines[: n or len(lines)]) + "\n")
-    return dst
+    from l47.fileio import write_text_atomic
+
+    return write_text_atomic(dst, "\n".join(lines[: n or len(lines)]) + "\n")
 
 
 def _toml_list(paths) -> str:
@@ -91,9 +91,9 @@ seed = 0
 words = {json.dumps(list(WORDS))}
 {solver}
 '''
-    p = out / "experiment.toml"
-    p.write_text(text)
-    return p
+    from l47.fileio import write_text_atomic
+
+    return write_text_atomic(out / "experiment.toml", text)
 
 
 INPUTS = ("heldout_chat", "collateral", "background", "kld_ops_tools", "kld_chat_json", "kld_prose", "blind")
@@ -215,7 +215,9 @@ def run_demo(args: DemoArgs, console) -> int:
 
     summary = {"bundle": str(bundle), "report": str(Path(dev.out_dir) / "report.md"), "passed": dev.passed,
                "blind_passed": blind_ok, "control_failed": control_ok}
-    (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
+    from l47.fileio import write_text_atomic
+
+    write_text_atomic(out / "demo_summary.json", json.dumps(summary, indent=1))
     console.rule("[bold]result")
     console.print(f"audit: {'PASS' if dev.passed else 'FAIL'}; blind sign-off: "
                   f"{'—' if blind_ok is None else ('PASS' if blind_ok else 'FAIL')}; negative control: "

@@ -25,6 +25,7 @@ class ScoreArgs:
     policy: str = "strata"
     device: str = "cpu"
     ledger: Path | None = None
+    allow_other_model: bool = False  # score dumps made from another model (refused by default, DESIGN §3.1)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
     b = open_gguf(bundle_path)
     if w.target not in b.tensors:
         raise L47Error(bundle_path, f"tensor {w.target}", "present in the bundle", "missing")
+    from l47 import names
+
+    claimed = b.kv.get(names.PROVENANCE_PREFIX + "base_sha256") or b.kv.get(names.PROVENANCE_PREFIX + "overlay_of")
+    if claimed and claimed != w.model_sha256:
+        raise L47Error(bundle_path, names.PROVENANCE_PREFIX + "base_sha256", f"the base {w.model_sha256[:16]}…",
+                       f"{str(claimed)[:16]}… (a bundle of another model)")
+    if b.info(w.target).ggml_type != w.target_type:
+        raise L47Error(bundle_path, f"tensor {w.target}", f"ggml type {w.target_type} (as in the base)",
+                       str(b.info(w.target).type_name))
     W = runtime_tensor(b, w.target, w.policy, device)
     if tuple(W.shape) != tuple(w.W_sd.shape):
         raise L47Error(bundle_path, f"tensor {w.target}", f"shape {tuple(w.W_sd.shape)}", str(tuple(W.shape)))
@@ -86,6 +96,9 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
         d = read_dump(p)
         check_dump_dims(w, d.meta, str(p))
         if d.meta.model not in (w.model_sha256, "") and not str(d.meta.model).startswith("hf:"):
+            if not args.allow_other_model:
+                raise L47Error(p, "meta.model", f"the scoring model {w.model_sha256[:16]}… (or --allow-other-model)",
+                               f"{str(d.meta.model)[:16]}…")
             notes.append(f"{p}: dumped from model {d.meta.model[:12]}…, scored under {w.model_sha256[:12]}…")
         if not d.verified:
             notes.append(f"{p}: unverified (no ref_logp: the zero-proxy check was not run)")

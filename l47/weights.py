@@ -94,6 +94,11 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
     """
     from l47.gguf_io import open_gguf
 
+    if str(device).startswith("mps"):
+        # every vocabulary reduction and the WFLD algebra run in float64, which MPS lacks; a CPU-reduction path
+        # for the Mac is not written yet
+        raise L47Error("--device", "device", "cpu or cuda (MPS has no float64; run the tail forward on the CPU)",
+                       str(device))
     g = open_gguf(model) if isinstance(model, (str, Path)) else model
     n_layers = int(_hparam(g, names.K_BLOCK_COUNT))
     last = n_layers - 1

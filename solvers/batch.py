@@ -48,7 +48,9 @@ def gather(items: list[tuple[object, list[int]]], device) -> Batch:
         docs += [d.sha256] * len(idx)
         poss += [int(i) for i in idx]
     if not docs:
-        raise ValueError("empty batch")
+        from l47.errors import L47Error
+
+        raise L47Error("solve", "positions", "at least one position in this batch", "none")
     cat = {k: torch.cat(v, 0) for k, v in parts.items()}
     return Batch(doc=tuple(docs), pos=tuple(poss), **cat)
 
@@ -91,7 +93,11 @@ def pick_chosen(b: Batch, w: TailWeights, rejected: torch.Tensor, special_ids: l
     for i in range(b.P):
         cand = [int(t) for t in st.top_ids[i] if int(t) != int(rejected[i]) and int(t) not in bad][:k]
         if len(cand) < k:
-            raise ValueError(f"event {i}: fewer than {k} natural alternatives in the top {pool}")
+            from l47.errors import L47Error
+
+            raise L47Error("solve", f"event {i} (doc {b.doc[i][:12]}…, row {b.pos[i]})",
+                           f"{k} natural alternative(s) (not rejected, not special) in the base top {pool}",
+                           f"{len(cand)}")
         out.append(cand)
     return torch.as_tensor(out, dtype=torch.long, device=b.hh.device)
 

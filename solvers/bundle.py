@@ -57,8 +57,10 @@ def write_overlay(base_path: Path, out: Path, target: str, raw_new: np.ndarray, 
     ffn_down_shexp, the seed's 48 "writers"), the target's bytes replaced, the others as in the base."""
     from l47.gguf_io import open_gguf, write_gguf
 
+    from l47.gguf_io import _same_file
+
     g = open_gguf(base_path)
-    if Path(out).resolve() == Path(g.path).resolve():
+    if _same_file(Path(out), Path(g.path)):
         raise L47Error(out, "output path", "a file other than the base GGUF", "the base itself")
     if include is None:
         include = [n for n in g.tensors if n.endswith("ffn_down_shexp.weight")]

@@ -107,7 +107,6 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
         loss = (pref + cfg.lambda_tether * tether + cfg.lambda_kl * kl + cfg.lambda_coll * coll
                 + cfg.lambda_special * special + cfg.lambda_ridge * dW.pow(2).sum())
         loss.backward()
-        opt.step()
         rec = {k: float(v.detach()) for k, v in
                dict(loss=loss, pref=pref, kl=kl, coll=coll, special=special).items()}
         rec["step"] = step
@@ -122,8 +121,9 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
                     rec["dev_p_rej"], rec["dev_reduction"] = dp, 1 - dp / max(dev_base, 1e-12)
                     score = dp
                 if rec["kl"] <= cfg.kl_budget and score < best[0]:
-                    best = (score, step, dW.detach().clone())
+                    best = (score, step, dW.detach().clone())  # the ΔW this step's loss, KL and dev were taken at
             history.append(rec)
+        opt.step()  # after the evaluation: the kept ΔW is the one whose KL and dev figures were measured
         if progress is not None:
             progress(rec)
         if rec["kl"] > 3 * cfg.kl_budget and step > 3 * cfg.eval_every:

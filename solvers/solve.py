@@ -105,17 +105,20 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     if model is None:
         raise L47Error(exp.path, "model", "a base GGUF (experiment `model` or --model)", "none")
     out = Path(args.out)
-    if out.exists() and os.path.samefile(out, model):
+    if out.exists() and Path(model).exists() and os.path.samefile(out, model):
         raise L47Error(out, "--out", "a new file, never the base model", f"the base {model}")
     cfg = resolve_config(exp.solver, args.method, str(exp.path))
     base_g = open_gguf(model)
     w = load_tail_weights(base_g, policy=exp.policy, device=args.device)
+    if w.head_scale is not None:
+        raise L47Error(model, "tensor output.scale", "no output.scale for the solvers (the audit and scoring "
+                       "handle it; the solvers' linearisation does not yet)", "present")
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
     report = load_sets_report(args.sets_json) if args.sets_json else build_sets(exp, w, device=args.device)
     train = [e for e in report.events if e.set == "train"]
-    devs = [e for e in report.events if e.set == "dev"]
+    devs = sorted([e for e in report.events if e.set == "dev"], key=lambda e: (e.doc_sha256, e.pos))
     if not train:
         raise L47Error(exp.path, "train events", "at least one prefix-exact event with base p ≥ "
                        f"{exp.thresholds.non_event_p} in accepted train documents", "none")
@@ -142,7 +145,8 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     # events in a fixed order: (doc, pos)
     train = sorted(train, key=lambda e: (e.doc_sha256, e.pos))
     ev = batch_of([(e.doc_sha256, e.pos) for e in train])
-    assert ev.doc == tuple(e.doc_sha256 for e in train) and ev.pos == tuple(e.pos for e in train)
+    if ev.doc != tuple(e.doc_sha256 for e in train) or ev.pos != tuple(e.pos for e in train):
+        raise L47Error("solve", "train events", "one batch row per event, in event order", "a different order")
     rejected = torch.as_tensor([e.final for e in train], device=w.device)
     chosen = pick_chosen(ev, w, rejected, special, k=cfg.n_chosen)
     terms = EventTerms(rejected=rejected, chosen=chosen, special=torch.as_tensor(special, dtype=torch.long),
@@ -200,7 +204,7 @@ def run_solve(args: SolveArgs, log=print) -> dict:
                     "dW_rel_norm_float": float(dW.norm() / w.W_sd.norm()),
                     "blocks_changed": int((raw_new.reshape(-1, 34) != np.asarray(base_g.raw(w.target)).reshape(-1, 34))
                                           .any(1).sum()),
-                    "method": method_summary}
+                    "method": {**method_summary, "figures_from": "the float ΔW, before re-quantisation"}}
 
     def p_rej(events, W=None):
         if not events:

@@ -168,10 +168,16 @@ def _dual_gram(Gh: torch.Tensor, Hh: torch.Tensor, D: torch.Tensor, ev_of_row: n
 def _nnls_dual(K: torch.Tensor, b: np.ndarray) -> np.ndarray:
     """argmin_{μ ≥ 0} ½ μᵀKμ + μᵀb via NNLS on K = L Lᵀ: ‖Lᵀμ + L⁻¹b‖²."""
     Kn = K.cpu().numpy()
+    if not np.isfinite(Kn).all() or not np.isfinite(b).all():
+        raise L47Error("solve", "WFLD dual", "finite constraint gradients and bounds", "NaN or Inf")
     jitter = 1e-12 * max(1.0, float(np.trace(Kn)) / len(Kn))
-    L = np.linalg.cholesky(Kn + jitter * np.eye(len(Kn)))
-    rhs = -np.linalg.solve(L, b)
-    mu, _ = scipy.optimize.nnls(L.T, rhs, maxiter=50 * len(Kn))
+    try:
+        L = np.linalg.cholesky(Kn + jitter * np.eye(len(Kn)))
+        rhs = -np.linalg.solve(L, b)
+        mu, _ = scipy.optimize.nnls(L.T, rhs, maxiter=50 * len(Kn))
+    except (np.linalg.LinAlgError, RuntimeError) as e:
+        raise L47Error("solve", "WFLD dual", "a positive semi-definite dual Gram and a converging NNLS",
+                       f"{type(e).__name__}: {e}") from None
     return mu
 
 
