@@ -113,7 +113,7 @@ def suppress_word_bundle(base: Path, out: Path, word_id: int, contexts, rel_norm
     g = open_gguf(base)
     w = load_tail_weights(g, policy="strata")
     u = -w.head[word_id] / w.head[word_id].norm()  # [n] down the word's logit direction
-    h = torch.stack([torch.as_tensor(np.asarray(d.hh[t]), dtype=torch.float32) for d, t in contexts]).mean(0)
+    h = torch.stack([torch.tensor(np.asarray(d.hh[t]), dtype=torch.float32) for d, t in contexts]).mean(0)
     v = h / h.norm()  # [f]
     dW = rel_norm * w.W_sd.norm() * torch.outer(u, v)
     raw, _ = requantize_target(g, w.target, w.W_sd + dW)
