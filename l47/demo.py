@@ -151,10 +151,18 @@ def run_demo(args: DemoArgs, console) -> int:
     from l47.solvers.solve import SolveArgs, run_solve
     from l47.vocab import vocab_for_model
 
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
     if args.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    # a demo run is one experiment: its ledger, bundle and reports start afresh (the blind document is scored
+    # once per ledger, so a second run on the old ledger would — rightly — be refused); dumps are resumed
+    for stale in ("ledger.jsonl", "audit", "audit-blind", "control", "bundle.gguf", "bundle.gguf.solve.json"):
+        p = out / stale
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
     if not Path(args.model).is_file():
         raise L47Error(args.model, "demo model", "the shipped GGUF (scripts/train_demo_model.py rebuilds it)",
                        "missing")

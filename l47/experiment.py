@@ -260,7 +260,9 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
         raise L47Error(path, "solver", "a table", repr(solver)[:80])
 
     if check_files and missing:
-        raise L47Error(path, "dump files", "existing files", f"{len(missing)} missing: " + "; ".join(missing))
+        shown = "; ".join(missing[:8]) + (f"; … and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise L47Error(path, "dump files", f"existing files (paths are relative to {base})",
+                       f"{len(missing)} missing: {shown}")
 
     # --- one set per document
     where_is: dict[Path, str] = {}
