@@ -104,6 +104,7 @@ class DocReport:
     sampler_violations: int | None = None
     refused: bool = False
     reasons: tuple[str, ...] = ()
+    content_key: str = ""  # sha256 of the token ids (independent of the file's path-bearing metadata)
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
         dup_lines=None if guard is None else guard.dup_lines,
         sampler_checked=None if guard is None or guard.sampler is None else guard.sampler.checked,
         sampler_violations=None if guard is None or guard.sampler is None else len(guard.sampler.violations),
-        refused=bool(reasons), reasons=tuple(reasons),
+        refused=bool(reasons), reasons=tuple(reasons), content_key=d.content_key,
     )
     return d
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import l47
+from l47 import names
 from l47 import record as rec
 from l47.errors import L47Error
 from l47.fileio import sha256_file, write_text_atomic
@@ -26,7 +27,7 @@ from l47.solvers.ftpo import FtpoConfig, train_ftpo
 from l47.solvers.wfld import WfldConfig, solve_wfld
 
 METHODS = ("wfld", "ftpo")
-COMMON_KEYS = ("seed", "max_background", "max_anchors_per_word", "n_chosen", "wfld", "ftpo")
+COMMON_KEYS = ("seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen", "wfld", "ftpo")
 SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")  # the only sets a solve reads
 
 
@@ -49,6 +50,8 @@ class SolveConfig:
     max_background: int = 4000
     max_anchors_per_word: int = 0  # > 0: protect at most this many collateral contexts per word (evenly spread);
     # every exact anchor removes a direction of hh from what ΔW may use (f is the budget, DESIGN §5)
+    protect_turn_ends: bool = True  # real turn ends (<|im_end|> targets) of background/train/dev chats: exact anchors
+    # too (seed §6.1: chat-formatted anchors, so freed mass cannot end turns early)
     n_chosen: int = 1
     wfld: WfldConfig = WfldConfig()
     ftpo: FtpoConfig = FtpoConfig()
@@ -74,6 +77,7 @@ def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
         raise L47Error(where, f"[solver] key(s) {bad}", f"one of {list(COMMON_KEYS)}", str(bad))
     return SolveConfig(method=method, seed=int(t.get("seed", 0)), max_background=int(t.get("max_background", 4000)),
                        max_anchors_per_word=int(t.get("max_anchors_per_word", 0)),
+                       protect_turn_ends=bool(t.get("protect_turn_ends", True)),
                        n_chosen=int(t.get("n_chosen", 1)), wfld=_sub(WfldConfig, t.get("wfld", {}), where + " [solver.wfld]"),
                        ftpo=_sub(FtpoConfig, t.get("ftpo", {}), where + " [solver.ftpo]"))
 
@@ -118,11 +122,18 @@ def run_solve(args: SolveArgs, log=print) -> dict:
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
     report = load_sets_report(args.sets_json) if args.sets_json else build_sets(exp, w, device=args.device)
     train = [e for e in report.events if e.set == "train"]
-    devs = sorted([e for e in report.events if e.set == "dev"], key=lambda e: (e.doc_sha256, e.pos))
+    devs = [e for e in report.events if e.set == "dev"]
     if not train:
         raise L47Error(exp.path, "train events", "at least one prefix-exact event with base p ≥ "
                        f"{exp.thresholds.non_event_p} in accepted train documents", "none")
     docs = {d.sha256: d for d in report.docs if not d.refused}
+    # every batch is ordered by document CONTENT (token ids), not by file hash: the same documents dumped into
+    # another folder (other metadata, other file hashes) give the same float order and the same bundle bytes
+    ckey = {d.sha256: (d.content_key or d.sha256) for d in report.docs}
+
+    def order(sha: str, pos: int):
+        return (ckey.get(sha, sha), pos)
+
     cache: dict[str, object] = {}
 
     def dump(sha):
@@ -143,7 +154,8 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     special = sorted(set(int(v) for v in report.special_ids.values()))
     scale_of = {p["phrase"]: float(p.get("margin_scale", 1.0)) for p in report.phrases}
     # events in a fixed order: (doc, pos)
-    train = sorted(train, key=lambda e: (e.doc_sha256, e.pos))
+    train = sorted(train, key=lambda e: order(e.doc_sha256, e.pos))
+    devs = sorted(devs, key=lambda e: order(e.doc_sha256, e.pos))
     ev = batch_of([(e.doc_sha256, e.pos) for e in train])
     if ev.doc != tuple(e.doc_sha256 for e in train) or ev.pos != tuple(e.pos for e in train):
         raise L47Error("solve", "train events", "one batch row per event, in event order", "a different order")
@@ -152,24 +164,34 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     terms = EventTerms(rejected=rejected, chosen=chosen, special=torch.as_tensor(special, dtype=torch.long),
                        scale=torch.as_tensor([scale_of.get(e.phrase, 1.0) for e in train], device=w.device))
     anchors_rec = sorted([c for c in report.collateral if c.set == "collateral_anchor"],
-                         key=lambda c: (c.doc_sha256, c.pos))
+                         key=lambda c: order(c.doc_sha256, c.pos))
     if cfg.max_anchors_per_word > 0:
         keep = []
         for word in sorted({c.word for c in anchors_rec}):
             occ = [c for c in anchors_rec if c.word == word]
             idx = np.unique(np.linspace(0, len(occ) - 1, min(len(occ), cfg.max_anchors_per_word)).round().astype(int))
             keep += [occ[i] for i in idx]
-        anchors_rec = sorted(keep, key=lambda c: (c.doc_sha256, c.pos))
-    an = batch_of([(c.doc_sha256, c.pos) for c in anchors_rec])
-    bg_docs = sorted([d for d in report.docs if d.set == "background" and not d.refused], key=lambda d: d.sha256)
+        anchors_rec = sorted(keep, key=lambda c: order(c.doc_sha256, c.pos))
+    bg_docs = sorted([d for d in report.docs if d.set == "background" and not d.refused],
+                     key=lambda d: order(d.sha256, 0))
     if not bg_docs:
         raise L47Error(exp.path, "sets.background", "at least one accepted background document (plain and chat)",
                        "none")
     total = sum(d.T for d in bg_docs)
     stride = max(1, int(np.ceil(total / cfg.max_background)))
     bg_pairs = [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)]
+    im_end = report.special_ids.get(names.IM_END)
+    turn_ends = []  # (doc, row) of real turn ends in the solver's chats (background, train, dev): protected exactly
+    if cfg.protect_turn_ends and im_end is not None:
+        own = sorted([d for d in report.docs if d.set in ("train", "dev") and not d.refused],
+                     key=lambda d: order(d.sha256, 0))
+        for d in bg_docs + own:
+            tg = np.asarray(dump(d.sha256).tokens[1:])
+            turn_ends += [(d.sha256, int(t)) for t in np.nonzero(tg == im_end)[0]]
+    an = batch_of([(c.doc_sha256, c.pos) for c in anchors_rec] + turn_ends)
     bg = batch_of(bg_pairs)
-    log(f"solve: {len(train)} train events, {len(devs)} dev events, {0 if an is None else an.P} anchors, "
+    log(f"solve: {len(train)} train events, {len(devs)} dev events, {0 if an is None else an.P} anchors "
+        f"({len(turn_ends)} of them turn ends of the solver's chats), "
         f"{bg.P} background positions (every {stride}th of {total}) from {len(bg_docs)} documents")
 
     torch.manual_seed(cfg.seed)
@@ -179,8 +201,8 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     else:
         dev_batch = None
         if devs:
-            db = batch_of([(e.doc_sha256, e.pos) for e in sorted(devs, key=lambda e: (e.doc_sha256, e.pos))])
-            dev_batch = (db, torch.as_tensor([e.final for e in sorted(devs, key=lambda e: (e.doc_sha256, e.pos))]))
+            db = batch_of([(e.doc_sha256, e.pos) for e in devs])
+            dev_batch = (db, torch.as_tensor([e.final for e in devs]))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         with Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -192,7 +214,8 @@ def run_solve(args: SolveArgs, log=print) -> dict:
                            f"KL {r['kl']:.2e} coll {r['coll']:.2e}"
                            + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""))
 
-            res = train_ftpo(w, terms, ev, bg, an, [c.token_id for c in anchors_rec] if an is not None else None,
+            words = [c.token_id for c in anchors_rec] + [int(im_end)] * len(turn_ends)
+            res = train_ftpo(w, terms, ev, bg, an, words if an is not None else None,
                              dev_batch, cfg.ftpo, progress=live)
         dW, method_summary = res.dW, res.summary()
 
@@ -256,6 +279,7 @@ def run_solve(args: SolveArgs, log=print) -> dict:
         touched += [rec.Touched(ev.doc[i], ev.pos[i], int(c), rec.TERM_TETHER) for i in range(ev.P)
                     for c in chosen[i].tolist()]
     touched += [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_ANCHOR, c.word, c.p_base) for c in anchors_rec]
+    touched += [rec.Touched(s, t, int(im_end), rec.TERM_ANCHOR, names.IM_END) for s, t in turn_ends]
     touched += [rec.Touched(s, p, -1, rec.TERM_BACKGROUND) for s, p in bg_pairs]
     record = rec.SolveRecord(method=cfg.method, toolkit_version=l47.__version__, seed=cfg.seed,
                              base_sha256=base_g.sha256(), bundle_sha256=bundle_sha, target=w.target,
