@@ -42,10 +42,16 @@ def tail_mix(R, inj, hh, sgv, yr, w: TailWeights, W_sd: torch.Tensor | None = No
     """Mixer output `mix` [T, n] (the head's input). `W_sd` replaces the model's matrix (e.g. a re-quantised
     edit); `dW` is added to it (differentiable). All f32."""
     W = w.W_sd if W_sd is None else W_sd  # [n, f]
-    T = hh.shape[0]
     ys = hh @ W.T  # [T, n]
     if dW is not None:
         ys = ys + hh @ dW.T  # [T, n]
+    return mix_from_ys(ys, R, inj, sgv, yr, w)
+
+
+def mix_from_ys(ys, R, inj, sgv, yr, w: TailWeights) -> torch.Tensor:
+    """The rest of the tail from the shared expert's output ys = W·hh [T, n] to `mix` [T, n] (the solvers make ys
+    a leaf to get ∂/∂ys of logit functionals). All f32."""
+    T = ys.shape[0]
     bo = yr + torch.sigmoid(sgv)[:, None] * ys  # [T, n]
     Rp = R + bo[:, None, :] * (2.0 * torch.sigmoid(inj / w.hc))[:, :, None]  # [T, hc, n]
     xn = Rp * torch.rsqrt(Rp.pow(2).mean(-1, keepdim=True) + w.eps) * w.onorm  # [T, hc, n]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from l47.forward import logits_at, streamed_lse, tail_mix
+from l47.forward import logits_at, mix_from_ys, streamed_lse, tail_mix
 from l47.weights import TailWeights, as_f32
 
 
@@ -62,13 +62,7 @@ def batch_mix(b: Batch, w: TailWeights, W_sd=None, dW=None) -> torch.Tensor:
 def ys_grad_mix(b: Batch, w: TailWeights, W: torch.Tensor):
     """(ys leaf [P, n], mix [P, n]) with ys = W·hh as a leaf, so functionals of mix back-propagate to ys."""
     ys = (b.hh @ W.T).detach().requires_grad_(True)  # [P, n]
-    bo = b.yr + torch.sigmoid(b.sgv)[:, None] * ys
-    Rp = b.R + bo[:, None, :] * (2.0 * torch.sigmoid(b.inj / w.hc))[:, :, None]
-    xn = Rp * torch.rsqrt(Rp.pow(2).mean(-1, keepdim=True) + w.eps) * w.onorm
-    P = b.P
-    lo = torch.nn.functional.silu((xn.reshape(P, w.hc * w.n) @ w.odown.T) / w.hc)
-    gate = torch.sigmoid(lo @ w.oup.T).reshape(P, w.hc, w.n)
-    return ys, (gate * xn).mean(1)
+    return ys, mix_from_ys(ys, b.R, b.inj, b.sgv, b.yr, w)
 
 
 @dataclass(frozen=True)
