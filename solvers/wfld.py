@@ -213,9 +213,11 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
     base = _base_logps(events, terms, w)
     Y = torch.zeros(w.n, null_dim, dtype=torch.float64, device=dev)
     dW = torch.zeros(w.n, w.f, dtype=torch.float32, device=dev)
-    iters, pred, residual, keep = [], None, float("nan"), None
+    iters, pred, residual, keep, cached = [], None, float("nan"), None, None
     for it in range(cfg.gn_iters + 1):
-        vals, grads, bounds, evr, kinds, _ = _constraints(events, terms, w, W0 + dW, base, cfg, active)
+        # the accepted trial's evaluation from the last step is this step's linearisation point: not redone
+        c = cached if cached is not None else _constraints(events, terms, w, W0 + dW, base, cfg, active)
+        vals, grads, bounds, evr, kinds, _ = c
         residual = float(np.abs(vals - pred).max()) if pred is not None else float("nan")
         excess = vals - bounds  # [m] > 0: violated
         violation = float(np.clip(excess, 0, None).max())
@@ -246,13 +248,13 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         for alpha in cfg.step_sizes:
             Y_try = Y + alpha * (Y_new - Y)
             dW_try = (Y_try @ B.T).to(torch.float32)  # [n, f]
-            v_try = _constraints(events, terms, w, W0 + dW_try, base, cfg, active)[0]
-            score = float(np.clip(v_try - np.maximum(bounds, vals - cfg.max_step), 0, None).max())
+            c_try = _constraints(events, terms, w, W0 + dW_try, base, cfg, active)
+            score = float(np.clip(c_try[0] - np.maximum(bounds, vals - cfg.max_step), 0, None).max())
             if best is None or score < best[0] - 1e-9:
-                best = (score, alpha, Y_try, dW_try)
+                best = (score, alpha, Y_try, dW_try, c_try)
             if score <= cfg.gn_tol:
                 break
-        _, alpha, Y, dW = best
+        _, alpha, Y, dW, cached = best
         pred = vals + alpha * (new_lin - cur)
     violation, residual, dW, worst = keep
     Bk = dW.double() @ B  # ΔW in reduced coordinates
