@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")  # roles a message may have (think comes from content)
@@ -91,7 +91,7 @@ class Rendered:
     """A rendered document: token ids [T+1], role code of every TARGET token [T] uint8, the rendered text."""
 
     tokens: tuple[int, ...]
-    role: np.ndarray  # [T] uint8, codes of l47.names.ROLES
+    role: np.ndarray  # [T] uint8, codes of l47.model.names.ROLES
     text: str
 
     @property

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from l47.errors import L47Error
-from l47.names import ROLE_ID, ROLES
+from l47.model.names import ROLE_ID, ROLES
 
 SCHEMA_VERSION = 1
 META_KEY = "l47"  # the one key of safetensors' __metadata__; its value is the DumpMeta JSON string
@@ -522,7 +522,7 @@ def _parse(buf: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str], list
 def read_dump(path: str | os.PathLike, mmap: bool = True, validate: bool = True) -> Dump:
     """Read one dump. mmap=True maps the file (arrays are read-only views; pages load on first touch);
     mmap=False reads it into memory. `inj` is normalised to the raw convention (xn_div4: × 4, f32, exact) and
-    role codes to l47.names.ROLES when the file lists its roles in another order; meta says "raw" afterwards.
+    role codes to l47.model.names.ROLES when the file lists its roles in another order; meta says "raw" afterwards.
     validate=True checks everything (DumpError lists every problem); validate=False checks only what is needed
     to build the record (header structure, metadata fields)."""
     path = Path(path)

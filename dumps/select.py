@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from l47 import names
+from l47.model import names
 from l47.dumps.schema import PROV_GENERATED, PROV_GENERATION, PROV_MIXED, PROV_WRITTEN
 
 SPLITS = ("train", "dev", "heldout")

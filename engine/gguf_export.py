@@ -1,18 +1,18 @@
 """A transformers Qwen4Exp <-> a whole-model qwen4exp GGUF with the seed file's tensor types.
 
-`export_gguf` writes every tensor of a `Qwen4ExpForCausalLM` under its GGUF name (l47/names.py), with the types
+`export_gguf` writes every tensor of a `Qwen4ExpForCausalLM` under its GGUF name (l47/model/names.py), with the types
 of the seed's file (DESIGN §1): every `blk.*.ffn_down_shexp` Q8_0, `output.weight` Q6_K (Q8_0 when n is not a
 multiple of 256), every `hc_*` / `output_hc_*` matrix BF16, the hyper-connection norms F32 folded (GGUF stores
 1 + w, HF stores w), everything else F32. The transformers config travels as JSON (`l47.hf_config`) so
 `load_hf_from_gguf` can rebuild the model; it loads every tensor through the runtime weight policy
-(`l47.weights.runtime_tensor`), so the `hf` engine built from a GGUF and the exact tail forward see the same
+(`l47.model.weights.runtime_tensor`), so the `hf` engine built from a GGUF and the exact tail forward see the same
 f32 weights.
 
-Notation for tensor shapes (LOGICAL order, as l47.gguf_io returns them = the torch parameter's shape):
+Notation for tensor shapes (LOGICAL order, as l47.model.gguf_io returns them = the torch parameter's shape):
     n   hidden size        f   shared-expert width       hc  hyper-connection streams
     r   HC low rank        V   vocabulary                E   routed experts
 
-Precision: quantisation (BF16 / Q8_0 / Q6_K) goes through l47.quants (ggml reference rules); dequantised values
+Precision: quantisation (BF16 / Q8_0 / Q6_K) goes through l47.model.quants (ggml reference rules); dequantised values
 are f32; un-folding a norm (stored − 1) is one f32 subtraction, exact when the stored value is in [0.5, 2]
 (Sterbenz), otherwise rounded to the nearest f32.
 """
@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 import torch
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 F32 = int(gguf.GGMLQuantizationType.F32)
@@ -72,7 +72,7 @@ def _encode(w: torch.Tensor, gtype: int, name: str) -> np.ndarray:
         return w.numpy().reshape(-1).view(np.uint8)
     if gtype == F16:
         return w.to(torch.float16).numpy().reshape(-1).view(np.uint8)
-    from l47.quants import quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
+    from l47.model.quants import quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
 
     rows = w.reshape(-1, w.shape[-1]) if w.ndim else w.reshape(1, 1)  # [rows, cols]
     return np.asarray(quantize(rows, gtype, name).cpu().numpy(), dtype=np.uint8)
@@ -111,7 +111,7 @@ _TOKENIZER_TYPES = {
 def export_gguf(model, path, *, tokenizer_kv: dict | None = None, types: dict | None = None) -> Path:
     """Write the whole model as a qwen4exp GGUF (atomic). `types` overrides the ggml type of tensors by GGUF name
     (type id or name, e.g. {"output.weight": "Q8_0"}); `tokenizer_kv` adds the `tokenizer.*` metadata as is."""
-    from l47.gguf_io import write_gguf
+    from l47.model.gguf_io import write_gguf
 
     path = Path(path)
     cfg = model.config
@@ -124,7 +124,7 @@ def export_gguf(model, path, *, tokenizer_kv: dict | None = None, types: dict | 
     for hf, p in model.state_dict().items():
         gname = table.get(hf)
         if gname is None:
-            raise L47Error("export_gguf", f"parameter {hf}", "a tensor in l47/names.py's table", "no GGUF name")
+            raise L47Error("export_gguf", f"parameter {hf}", "a tensor in l47/model/names.py's table", "no GGUF name")
         if gname in seen:  # tied weights appear once per name
             continue
         seen.add(gname)
@@ -170,7 +170,7 @@ def hf_config_from_gguf(g):
 
 def _gguf_state_dict(g, cfg, policy: str, device) -> dict[str, torch.Tensor]:
     """HF state dict (f32) from the GGUF's tensors under `policy`; refuses missing or unexpected tensors."""
-    from l47.weights import runtime_tensor
+    from l47.model.weights import runtime_tensor
 
     L_count = int(cfg.num_hidden_layers)
     table = names.hf_to_gguf_map(L_count)
@@ -209,7 +209,7 @@ def load_hf_from_gguf(path, policy: str = "strata", device="cpu"):
     runtime weight `policy` ("strata": BF16 hc_* -> Q8_0 -> f32; "exact": file values), norms un-folded."""
     from transformers import Qwen4ExpForCausalLM
 
-    from l47.gguf_io import open_gguf
+    from l47.model.gguf_io import open_gguf
 
     g = open_gguf(path)
     if g.arch() != names.ARCH:

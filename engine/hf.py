@@ -63,7 +63,7 @@ def model_id(path) -> str:
     config.json and weight files (name + content hash, sorted) for a transformers checkpoint."""
     path = Path(path)
     if path.is_file():
-        from l47.gguf_io import open_gguf
+        from l47.model.gguf_io import open_gguf
 
         return open_gguf(path).sha256()
     files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
@@ -231,10 +231,10 @@ def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: flo
 
 
 def tail_weights_from_model(model, model_sha: str, layer: int | None = None):
-    """`l47.weights.TailWeights` straight from the model's parameters (output_hc_norm folded 1 + w, as GGUF
+    """`l47.model.weights.TailWeights` straight from the model's parameters (output_hc_norm folded 1 + w, as GGUF
     stores it): what the exact tail forward needs to re-score this engine's dumps."""
-    from l47 import names
-    from l47.weights import TailWeights
+    from l47.model import names
+    from l47.model.weights import TailWeights
 
     c = model.config
     last = int(c.num_hidden_layers) - 1

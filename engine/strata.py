@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from l47 import names
+from l47.model import names
 from l47.dumps.schema import (
     HH_F16, HH_F32, INJ_CONVENTIONS, INJ_RAW, PROV_GENERATED, PROV_GENERATION, PROV_MIXED, PROV_WRITTEN,
     SCHEMA_VERSION, validate_dump,
@@ -67,9 +67,9 @@ SET_MOCE_BONUS = ENV_MOCE_BONUS
 SET_ROUTER_BF16 = "STRATA_METAL_ROUTER_BF16"
 SET_HC_Q4 = "STRATA_HC_Q4"
 SET_HC_Q5 = "STRATA_HC_Q5"
-SET_WEIGHT_POLICY = "weight_policy"  # l47.weights.POLICIES
+SET_WEIGHT_POLICY = "weight_policy"  # l47.model.weights.POLICIES
 REQUIRED_SETTINGS = (SET_MOCE_BONUS, SET_ROUTER_BF16, SET_HC_Q4, SET_HC_Q5, SET_WEIGHT_POLICY)
-WEIGHT_POLICIES = ("strata", "exact")  # = l47.weights.POLICIES (not imported: it pulls in torch)
+WEIGHT_POLICIES = ("strata", "exact")  # = l47.model.weights.POLICIES (not imported: it pulls in torch)
 MOCE_DETERMINISTIC = "0"
 NVIDIA_PROC, NVIDIA_SMI = "/proc/driver/nvidia/version", "nvidia-smi"  # a CUDA machine has one of them
 DEFAULT_TOPK = 8

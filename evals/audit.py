@@ -13,7 +13,7 @@ and a blind document is never scored by a run that will be refused:
 Exit code: 0 only when every applicable bar passes.
 
 Notation for array shapes: T positions of a document (row t predicts tokens[t+1]); F final tokens of the banned
-tuples; V vocabulary. Precision: f32 forward, f64 reductions (l47.forward); ‖ΔW‖ in f64.
+tuples; V vocabulary. Precision: f32 forward, f64 reductions (l47.tail.forward); ‖ΔW‖ in f64.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 from l47.evals import bars as B
 from l47.evals.metrics import (DocResult, collateral_figures, flip_figures, load_vocab, ordinary_figures,
@@ -214,7 +214,7 @@ def refuse_other_model(base_g, bundle_g, target: str, record) -> None:
 def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
     """Compare every tensor and metadata key of the bundle with the base; ‖ΔW‖/‖W‖; scope claims.
     Call `refuse_other_model` first."""
-    from l47.gguf_io import tensors_equal_bytes
+    from l47.model.gguf_io import tensors_equal_bytes
 
     target = w.target
     bsha = bundle_g.sha256()
@@ -286,7 +286,7 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
 
 def record_figures(record, record_path, by_sha: dict[str, DocResult], doc_sets: dict[str, dict], pts, thr: float,
                    vocab, scored_shas: dict[str, str], solver_shas: dict[str, str]) -> dict:
-    from l47.record import TERM_BACKGROUND, TERM_SLOP
+    from l47.data.record import TERM_BACKGROUND, TERM_SLOP
 
     overlap = []
     # documents the solver's sets hold that are also scored (a copy under another path)
@@ -369,7 +369,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, bundle: dict) -> dict:
     """Re-derive the record's claimed figures with the audit's own forward (CLAIM_KEYS) and compare."""
-    from l47.record import TERM_ANCHOR, TERM_SLOP
+    from l47.data.record import TERM_ANCHOR, TERM_SLOP
 
     if record is None:
         return {"present": False, "why": rec.get("why")}
@@ -444,8 +444,8 @@ def _engine_figures(args, w, W_new, by_sha: dict[str, DocResult], doc_paths: dic
     by token sequence: their log p vs the tail forward's edited prediction, and engine-level KLD where both
     dumps hold ref_logits, beside the floor KL(engine base ‖ exact forward base)."""
     from l47.dumps import read_dump
-    from l47.forward import head_chunk, mix_of_dump
-    from l47.weights import check_dump_dims
+    from l47.tail.forward import head_chunk, mix_of_dump
+    from l47.model.weights import check_dump_dims
 
     if not args.engine_dumps:
         return {}
@@ -583,7 +583,7 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers: list[Path], special_
     """Everything that must hold before the blind document is scored. Returns (dev report, blind doc sha)."""
     from l47.dumps import read_dump
     from l47.dumps.select import chat_structure
-    from l47.ledger import read_ledger
+    from l47.data.ledger import read_ledger
 
     if args.dev_report is None:
         raise L47Error("audit", "--dev", "the dev report (report.json) of the same bundle with --blind", "none")
@@ -668,7 +668,7 @@ def _dev_evidence(args, exp, sets_rep, record, rpath, accepted, pts, w, W_new, d
 def _blind_evidence(d0: DocResult, pts, dev_rep, bsha, blind_sha, ledgers, *, th, bundle, by_sha, vocab,
                     special_ids, sims, kld, proxy, flips, turn_ends, pen_fig) -> tuple[B.Evidence, dict]:
     from l47.dumps.select import find_events
-    from l47.sets import EventRecord
+    from l47.data.sets import EventRecord
 
     evs = []
     for e in find_events(d0.tokens, pts, d0.role):
@@ -700,15 +700,15 @@ def run_audit(args: AuditArgs, console=None) -> AuditReport:
     before any report file is written."""
     from l47.dumps import read_dump
     from l47.dumps.select import phrases_to_tuples
-    from l47.experiment import load_experiment
-    from l47.gguf_io import open_gguf
-    from l47.ledger import LEDGER_NAME, append_ledger, read_ledger
-    from l47.record import read_record, record_path_for
-    from l47.score import edited_weight
+    from l47.data.experiment import load_experiment
+    from l47.model.gguf_io import open_gguf
+    from l47.data.ledger import LEDGER_NAME, append_ledger, read_ledger
+    from l47.data.record import read_record, record_path_for
+    from l47.model.weights import edited_weight
     from l47.evals.kld_stats import kld_stats_of_pairs
     from l47.evals.penalty import make_spec
-    from l47.sets import build_sets
-    from l47.weights import check_dump_dims, load_tail_weights
+    from l47.data.sets import build_sets
+    from l47.model.weights import check_dump_dims, load_tail_weights
     from l47.evals.report import write_reports
 
     out = Path(args.out_dir)

@@ -6,7 +6,7 @@ returns a `Measure` (value + details); the registry turns it into a `Bar(name, v
 passed, details)`. A bar with no data FAILS ("no evidence is not a pass"), except the few declared
 `optional` (e.g. engine-level checks where no engine run on the bundle exists), which are marked n/a.
 
-Thresholds come from the experiment file (`l47.experiment.Thresholds`, the seed's defaults) or are derived
+Thresholds come from the experiment file (`l47.data.experiment.Thresholds`, the seed's defaults) or are derived
 from other figures (named in the bar's `threshold_from`); the report prints every threshold used.
 """
 
@@ -59,7 +59,7 @@ class Measure:
 class Evidence:
     """Every figure the bars read (plain dicts, JSON-able). Missing figures are empty dicts."""
 
-    thresholds: object  # l47.experiment.Thresholds
+    thresholds: object  # l47.data.experiment.Thresholds
     mode: str = MODE_DEV
     bundle: dict = field(default_factory=dict)
     record: dict = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """Every figure `llama-perplexity --kl-divergence` prints, computed exactly from per-position arrays.
 
-The per-position inputs come from one streamed pass over the WHOLE vocabulary (`l47.forward.paired_stats`):
+The per-position inputs come from one streamed pass over the WHOLE vocabulary (`l47.tail.forward.paired_stats`):
 f32 logits, f64 reductions, no truncation of the tail (llama.cpp stores the base as uint16 log-probs and drops
 tokens below −16; nothing here is quantised or dropped). Nothing of size [T, V] is needed.
 

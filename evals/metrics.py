@@ -1,6 +1,6 @@
 """Per-document exact scoring for the audit and the figures behind every bar (pure functions over arrays).
 
-Each document is scored once, base and edited together (`l47.forward.score_pair`: one streamed pass over the
+Each document is scored once, base and edited together (`l47.tail.forward.score_pair`: one streamed pass over the
 whole vocabulary), with the log p of the special tokens and of the banned tuples' final tokens kept per
 position. Every figure below is then a reduction of those per-position arrays; nothing of size [T, V] exists.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 SPECIAL = "special"  # token_sets key: the model's special tokens
@@ -30,7 +30,7 @@ CHAT_ROLES = (names.ROLE_ID["assistant"], names.ROLE_ID["think"], names.ROLE_ID[
 
 def load_vocab(exp, base, V: int):
     """The model's vocabulary as the experiment names it; refused when its ids do not fit the head."""
-    from l47 import vocab as voc
+    from l47.model import vocab as voc
 
     src = getattr(exp, "vocab", "auto")
     v = voc.vocab_qwen36() if src == "qwen36" else voc.vocab_from_gguf(base) if src == "gguf" else \
@@ -74,7 +74,7 @@ class DocResult:
     doc_id: str
     tokens: np.ndarray  # [T+1] int64
     role: np.ndarray  # [T] uint8
-    ps: object  # l47.forward.PairedStats (base / new HeadStats with set_logp[SPECIAL] [T, S], [FINALS] [T, F])
+    ps: object  # l47.tail.forward.PairedStats (base / new HeadStats with set_logp[SPECIAL] [T, S], [FINALS] [T, F])
     chat: object  # l47.dumps.select.ChatStructure
     slop_rows: np.ndarray  # [T] bool: prefix-exact positions of any banned tuple (events and non-events)
     verified: bool
@@ -100,7 +100,7 @@ def score_document(w, W_new, dump, set_name: str, phrase_tuples, special_ids: Ma
                    finals: Sequence[int], refused: bool = False, reasons: tuple[str, ...] = ()) -> DocResult:
     """Paired exact scoring of one dump (base = the model's W_sd, new = W_new)."""
     from l47.dumps.select import chat_structure, find_events
-    from l47.forward import score_pair
+    from l47.tail.forward import score_pair
 
     spec = sorted(set(int(i) for i in special_ids.values()))
     topk = max(5, len(finals) + 2)  # the penalty simulation's argmax is exact when k > |penalised set|

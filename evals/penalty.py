@@ -321,11 +321,11 @@ def run_penalty(args: PenaltyArgs, console=None) -> PenaltyResult:
 
     from l47.dumps import read_dump
     from l47.evals.metrics import load_vocab, phrase_tuples_of
-    from l47.experiment import load_experiment
-    from l47.forward import score_dump, score_pair
-    from l47.score import edited_weight
-    from l47.sets import build_sets
-    from l47.weights import check_dump_dims, load_tail_weights
+    from l47.data.experiment import load_experiment
+    from l47.tail.forward import score_dump, score_pair
+    from l47.model.weights import edited_weight
+    from l47.data.sets import build_sets
+    from l47.model.weights import check_dump_dims, load_tail_weights
 
     exp = load_experiment(args.experiment)
     base = args.base or exp.model

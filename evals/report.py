@@ -277,7 +277,7 @@ def _esc(s: str) -> str:
 
 
 def render_tsv(docs, vocab, special_ids, sims) -> str:
-    from l47 import names
+    from l47.model import names
     from l47.evals.metrics import SPECIAL
 
     spec = np.array(sorted(set(int(i) for i in special_ids.values())), dtype=np.int64)

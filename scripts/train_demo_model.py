@@ -290,12 +290,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def tokenizer_kv(tok) -> dict:
-    """GGUF tokenizer metadata: l47.vocab's when available, else the gguf-py standard keys written here."""
+    """GGUF tokenizer metadata: l47.model.vocab's when available, else the gguf-py standard keys written here."""
     try:
-        from l47.vocab import vocab_to_gguf_kv  # the toolkit's own (preferred)
+        from l47.model.vocab import vocab_to_gguf_kv  # the toolkit's own (preferred)
     except ImportError:
         vocab_to_gguf_kv = None
-    from l47 import names
+    from l47.model import names
 
     ids = {names.K_TOK_EOS: tok.token_to_id(corpus.IM_END), names.K_TOK_BOS: tok.token_to_id(corpus.ENDOFTEXT),
            names.K_TOK_PAD: tok.token_to_id(corpus.ENDOFTEXT), names.K_CHAT_TEMPLATE: CHAT_TEMPLATE}
@@ -320,7 +320,7 @@ def tokenizer_kv(tok) -> dict:
 def export(model, tok, gguf_path: Path) -> str:
     try:
         from l47.engine.gguf_export import export_gguf
-        import l47.quants  # noqa: F401  export_gguf's codecs
+        import l47.model.quants  # noqa: F401  export_gguf's codecs
     except ImportError as e:
         return f"not exported: {e}"
     export_gguf(model, gguf_path, tokenizer_kv=tokenizer_kv(tok))

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from l47.forward import logits_at, mix_from_ys, streamed_lse, tail_mix
-from l47.weights import TailWeights, as_f32
+from l47.tail.forward import logits_at, mix_from_ys, streamed_lse, tail_mix
+from l47.model.weights import TailWeights, as_f32
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class EventTerms:
 def pick_chosen(b: Batch, w: TailWeights, rejected: torch.Tensor, special_ids: list[int], k: int = 1,
                 pool: int = 16) -> torch.Tensor:
     """Each event's top-k base tokens that are neither the rejected token nor a special token. [P, k]"""
-    from l47.forward import head_stats
+    from l47.tail.forward import head_stats
 
     with torch.no_grad():
         st = head_stats(batch_mix(b, w), w, b.target.cpu().numpy(), topk=pool)

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import torch
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
@@ -22,7 +22,7 @@ Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
 def requantize_target(base_g, target: str, W_new_float: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """Q8_0 bytes of W_new_float (ggml reference rule; blocks whose values did not change keep their original
     bytes) and their dequantised f32 value — the weights every reported number is computed from."""
-    from l47 import quants
+    from l47.model import quants
 
     info = base_g.info(target)
     if info.ggml_type != Q8_0:
@@ -46,7 +46,7 @@ def provenance_kv(prov: dict) -> dict:
 
 def write_bundle(base_path: Path, out: Path, target: str, raw_new: np.ndarray, prov: dict) -> Path:
     """Full-model bundle: the base with the target tensor's bytes replaced and provenance keys added."""
-    from l47.gguf_io import copy_with_tensor_replaced
+    from l47.model.gguf_io import copy_with_tensor_replaced
 
     return copy_with_tensor_replaced(base_path, out, {target: raw_new}, extra_kv=provenance_kv(prov))
 
@@ -55,9 +55,9 @@ def write_overlay(base_path: Path, out: Path, target: str, raw_new: np.ndarray, 
                   include: list[str] | None = None) -> Path:
     """Overlay bundle: a GGUF holding a subset of the base's tensors (default: every layer's
     ffn_down_shexp, the seed's 48 "writers"), the target's bytes replaced, the others as in the base."""
-    from l47.gguf_io import open_gguf, write_gguf
+    from l47.model.gguf_io import open_gguf, write_gguf
 
-    from l47.gguf_io import _same_file
+    from l47.model.gguf_io import _same_file
 
     g = open_gguf(base_path)
     if _same_file(Path(out), Path(g.path)):
@@ -79,7 +79,7 @@ def write_overlay(base_path: Path, out: Path, target: str, raw_new: np.ndarray, 
 def transplant(overlay_path: Path, base_path: Path, out: Path) -> dict:
     """Apply an overlay to a full model; verify after writing that every tensor outside the overlay is
     byte-identical to the base and every overlay tensor to the overlay. Returns a summary."""
-    from l47.gguf_io import copy_with_tensor_replaced, open_gguf, tensors_equal_bytes
+    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf, tensors_equal_bytes
 
     ov, base = open_gguf(overlay_path), open_gguf(base_path)
     for p in (overlay_path,):

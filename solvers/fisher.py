@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from l47.forward import DEFAULT_CHUNK, head_chunk
-from l47.weights import TailWeights
+from l47.tail.forward import DEFAULT_CHUNK, head_chunk
+from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, ys_grad_mix
 
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from l47.forward import logits_at, streamed_kl
-from l47.weights import TailWeights
+from l47.tail.forward import logits_at, streamed_kl
+from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix, event_logps
 
 
@@ -59,7 +59,7 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
                anchor_word: list[int] | None, dev: tuple[Batch, torch.Tensor] | None, cfg: FtpoConfig = FtpoConfig(),
                progress=None) -> FtpoResult:
     """Minimise L(ΔW) (module docstring) with AdamW; keep the best dev step within the KL budget."""
-    from l47.forward import head_stats
+    from l47.tail.forward import head_stats
 
     torch.manual_seed(cfg.seed)
     dev_ = w.device
@@ -77,7 +77,7 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
         mix0_an = batch_mix(anchors, w) if anchors is not None and anchors.P else None
         lp0_an = None
         if mix0_an is not None:
-            from l47.forward import logp_at
+            from l47.tail.forward import logp_at
             lp0_an = logp_at(mix0_an, w, anchors.target)
         dev_base = None
         if dev is not None:
@@ -99,7 +99,7 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
         kl = streamed_kl(batch_mix(background, w, dW=dW), mix0_bg, w).mean()
         coll = mix.new_zeros(())
         if mix0_an is not None:
-            from l47.forward import logp_at
+            from l47.tail.forward import logp_at
             d = (logp_at(batch_mix(anchors, w, dW=dW), w, anchors.target) - lp0_an) ** 2
             per_word = [d[words == u].mean() for u in torch.unique(words)]
             coll = torch.stack(per_word).mean()

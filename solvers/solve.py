@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 import l47
-from l47 import names
-from l47 import record as rec
+from l47.model import names
+from l47.data import record as rec
 from l47.errors import L47Error
 from l47.fileio import sha256_file, write_text_atomic
-from l47.forward import paired_stats
-from l47.weights import load_tail_weights
+from l47.tail.forward import paired_stats
+from l47.model.weights import load_tail_weights
 from l47.solvers.batch import EventTerms, Batch, batch_mix, gather, pick_chosen
 from l47.solvers.bundle import requantize_target, write_bundle, write_overlay
 from l47.solvers.ftpo import FtpoConfig, train_ftpo
@@ -99,10 +99,10 @@ def _p_by_phrase(phrases, p):
 def run_solve(args: SolveArgs, log=print) -> dict:
     """Solve and write the bundle and its record. Returns the claims (also stored in the record)."""
     from l47.dumps import read_dump
-    from l47.experiment import load_experiment
-    from l47.gguf_io import open_gguf
-    from l47.ledger import append_ledger
-    from l47.sets import build_sets, load_sets_report
+    from l47.data.experiment import load_experiment
+    from l47.model.gguf_io import open_gguf
+    from l47.data.ledger import append_ledger
+    from l47.data.sets import build_sets, load_sets_report
 
     exp = load_experiment(args.experiment)
     model = args.model or exp.model
@@ -235,7 +235,7 @@ def run_solve(args: SolveArgs, log=print) -> dict:
         b = batch_of([(e.doc_sha256, e.pos) for e in events])
         with torch.no_grad():
             z = batch_mix(b, w, W_sd=W)
-        from l47.forward import head_stats
+        from l47.tail.forward import head_stats
         st = head_stats(z, w, np.array([e.final for e in events]))
         return np.exp(st.logp_target)
 

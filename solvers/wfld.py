@@ -36,8 +36,8 @@ import scipy.optimize
 import torch
 
 from l47.errors import L47Error
-from l47.weights import TailWeights
-from l47.forward import logits_at
+from l47.model.weights import TailWeights
+from l47.tail.forward import logits_at
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.fisher import fisher_factors, mu_lse
 

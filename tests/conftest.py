@@ -36,8 +36,8 @@ Tools return JSON like {"name": "search", "results": [1, 2, 3]} which the assist
 def _train_tiny_bpe():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from l47.names import SPECIAL_TOKENS
-    from l47.vocab import qwen_pre_tokenizer
+    from l47.model.names import SPECIAL_TOKENS
+    from l47.model.vocab import qwen_pre_tokenizer
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = qwen_pre_tokenizer()
@@ -62,8 +62,8 @@ def tiny_hf_model():
 @pytest.fixture(scope="session")
 def tiny_tokenizer_kv() -> dict:
     """GGUF tokenizer metadata of a tiny byte-level BPE (Qwen pre-tokenizer, the five chat special tokens)."""
-    from l47 import names
-    from l47.vocab import TT_UNUSED, vocab_to_gguf_kv
+    from l47.model import names
+    from l47.model.vocab import TT_UNUSED, vocab_to_gguf_kv
 
     kv = vocab_to_gguf_kv(_train_tiny_bpe())
     pad = TINY_VOCAB - len(kv[names.K_TOK_TOKENS])  # padded to the head's rows, as real GGUFs are
@@ -74,7 +74,7 @@ def tiny_tokenizer_kv() -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_vocab(tiny_tokenizer_kv):
-    from l47.vocab import vocab_from_kv
+    from l47.model.vocab import vocab_from_kv
 
     return vocab_from_kv(tiny_tokenizer_kv, "tiny bpe")
 

@@ -2,14 +2,14 @@
 that passes, the blind sign-off with its ledger, and bad input.
 
 The world (built once per module):
-  * the synthetic qwen4exp GGUF (l47.synth, n 256, f 64, V 1024, 3 layers) with the conftest's tiny byte-level
+  * the synthetic qwen4exp GGUF (l47.testing.synth, n 256, f 64, V 1024, 3 layers) with the conftest's tiny byte-level
     BPE vocabulary (special tokens <|endoftext|> 0 … </think> 4);
   * chat / plain documents rendered with the ChatML template; their dump states are synthetic arrays whose
     routed-expert output `yr` is moved along each target's head row (bisection, exact tail forward) until the
     BASE model gives every target the probability we choose: ordinary targets 0.55, slop events 0.6, real turn
     ends 0.6, one planted non-event 0.002 — computed, not hard-coded; hh carries a "slop key" (column J_KEY =
     C_KEY at every prefix-exact position, 0 elsewhere) and a constant feature (column J_BIAS = C_BIAS everywhere);
-  * bundles from ΔW designs computed through the exact forward and re-quantised to Q8_0 (l47.quants):
+  * bundles from ΔW designs computed through the exact forward and re-quantised to Q8_0 (l47.model.quants):
       good        ΔW = u·e_KEYᵀ, u by Adam on TRAIN events only: lowers the final tokens and the special tokens;
       collateral  ΔW = −α·ĥ(" than")·e_BIASᵀ: " than" down ≥ 1.5 nats in every context (seed §5.3's mined loss);
       im_end      good + α·ĥ(<|im_end|>)·e_BIASᵀ until ≥ 3 ordinary argmaxes flip to it (seed §6.1's v3.1);
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 DIMS_KW = dict(n=256, f=64, r=32, hc=4, V=1024, n_layers=3)
@@ -114,7 +114,7 @@ def _fit_yr(w, arrs: list[dict], goals: list[np.ndarray], iters=24, tol=1e-3) ->
     """Set each document's yr [T, n] so that the base log p(target) = goal at every row: yr_t + α_t·ĥ_t with ĥ_t
     the unit head row of row t's target, α_t by bisection on [−64, 256] (log p(target) rises with α along its
     own head row). All documents' rows at once, exact forward, no gradients. Asserts |error| < tol nats."""
-    from l47.forward import full_logits, tail_mix
+    from l47.tail.forward import full_logits, tail_mix
 
     cat = lambda k: torch.from_numpy(np.concatenate([a[k] for a in arrs]))  # noqa: E731
     R, inj, hh, sgv, yr = cat("R"), cat("inj"), cat("hh"), cat("sgv"), cat("yr")  # [ΣT, ...]
@@ -146,7 +146,7 @@ def _fit_yr(w, arrs: list[dict], goals: list[np.ndarray], iters=24, tol=1e-3) ->
 def _dump_arrays(vocab, pts, name, spec, seed):
     """Rendered tokens/roles, synthetic states with the slop key and the constant feature, and the goals."""
     from l47.dumps.select import chat_structure, find_events
-    from l47.synth import SynthDims, synth_dump_arrays
+    from l47.testing.synth import SynthDims, synth_dump_arrays
 
     tokens, role = _render(vocab, spec)
     T = tokens.shape[0] - 1
@@ -167,7 +167,7 @@ def _dump_arrays(vocab, pts, name, spec, seed):
 def _write_world_dump(path, w, name, spec, arr):
     """Write a verified dump: ref_logp / top-k / ref_logits are the exact forward's (the 'engine' is exact)."""
     from l47.dumps import DumpMeta, read_dump, write_dump
-    from l47.forward import full_logits, mix_of_dump, score_dump
+    from l47.tail.forward import full_logits, mix_of_dump, score_dump
 
     prov = {r: WRITTEN for r in {names.ROLES[int(c)] for c in np.unique(arr["role"])}}
     meta = DumpMeta(schema_version=1, doc_id=name, layer=w.layer, n=w.n, f=w.f, hc=w.hc, r=w.r, V=w.V,
@@ -200,7 +200,7 @@ def _batch(w, dumps, rows_of):
 
 
 def _logp(w, b, dW):
-    from l47.forward import full_logits, tail_mix
+    from l47.tail.forward import full_logits, tail_mix
 
     z = full_logits(tail_mix(b["R"], b["inj"], b["hh"], b["sgv"], b["yr"], w, dW=dW), w)
     return torch.log_softmax(z, -1)  # [P, V]
@@ -237,9 +237,9 @@ def _along_head_row(w, b, col, token, sign, done, base_dW=None):
 
 
 def _write_bundle(base, out, w, dW, extra=None, prov=None):
-    """Re-quantise W_sd + ΔW to Q8_0 (ggml rule, l47.quants) and write base-with-target-replaced + provenance."""
-    from l47 import quants
-    from l47.gguf_io import copy_with_tensor_replaced
+    """Re-quantise W_sd + ΔW to Q8_0 (ggml rule, l47.model.quants) and write base-with-target-replaced + provenance."""
+    from l47.model import quants
+    from l47.model.gguf_io import copy_with_tensor_replaced
 
     raw = quants.quantize(w.W_sd + dW, int(__import__("gguf").GGMLQuantizationType.Q8_0), w.target).numpy()
     repl = {w.target: raw, **(extra or {})}
@@ -250,10 +250,10 @@ def _write_bundle(base, out, w, dW, extra=None, prov=None):
 
 def _write_record(bundle, w, sets_rep, extra_touched=(), claims_override=None):
     """A SolveRecord for a hand-made bundle: slop terms at the accepted train events, claims re-derived here."""
-    from l47 import record as rec
-    from l47.gguf_io import open_gguf
-    from l47.score import edited_weight
-    from l47.forward import score_pair
+    from l47.data import record as rec
+    from l47.model.gguf_io import open_gguf
+    from l47.model.weights import edited_weight
+    from l47.tail.forward import score_pair
     from l47.dumps import read_dump
 
     W_new, bsha = edited_weight(w, bundle)
@@ -302,12 +302,12 @@ def world(tmp_path_factory, tiny_tokenizer_kv):
     from l47.dumps import read_dump
     from l47.dumps.select import phrases_to_tuples
     from l47.engine.gguf_export import _TOKENIZER_TYPES
-    from l47.experiment import load_experiment
-    from l47.gguf_io import copy_with_tensor_replaced, open_gguf
-    from l47.sets import build_sets
-    from l47.synth import SynthDims, write_synth_gguf
-    from l47.vocab import vocab_from_gguf
-    from l47.weights import load_tail_weights
+    from l47.data.experiment import load_experiment
+    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
+    from l47.data.sets import build_sets
+    from l47.testing.synth import SynthDims, write_synth_gguf
+    from l47.model.vocab import vocab_from_gguf
+    from l47.model.weights import load_tail_weights
 
     root = tmp_path_factory.mktemp("audit_world")
     raw = write_synth_gguf(root / "raw.gguf", SynthDims(**DIMS_KW), seed=7, unknown_type_tensor=True)
@@ -433,7 +433,7 @@ def test_overlay_bundle_is_compared_tensor_by_tensor(world, tmp_path):
     """The seed's bundles were overlays (a subset of the base's tensors): every tensor present is compared."""
     import gguf
 
-    from l47 import quants
+    from l47.model import quants
     from l47.solvers.bundle import write_overlay
 
     w = world["w"]
@@ -490,7 +490,7 @@ def test_noop_bundle_fails_slop_bar(world, tmp_path):
 
 
 def test_record_with_non_prefix_and_non_event_positions_fails_bar_a(world, tmp_path):
-    from l47 import record as rec
+    from l47.data import record as rec
 
     s, vocab = world["sets"], world["vocab"]
     bundle = tmp_path / "good_copy.gguf"
@@ -512,7 +512,7 @@ def test_record_with_non_prefix_and_non_event_positions_fails_bar_a(world, tmp_p
 
 
 def test_record_overlapping_a_scored_set_fails_disjointness(world, tmp_path):
-    from l47 import record as rec
+    from l47.data import record as rec
 
     s = world["sets"]
     bundle = tmp_path / "good_copy.gguf"
@@ -543,8 +543,8 @@ def test_engine_level_checks(world, tmp_path):
     """Dumps of an engine that ran the transplanted bundle: its log p must match the tail forward's edited
     prediction (one planted 0.01-nat disagreement must fail), engine-level KLD beside its floor."""
     from l47.dumps import read_dump, write_dump
-    from l47.forward import full_logits, mix_of_dump
-    from l47.score import edited_weight
+    from l47.tail.forward import full_logits, mix_of_dump
+    from l47.model.weights import edited_weight
 
     w, good = world["w"], world["bundles"]["good"]
     W_new, bsha = edited_weight(w, good)
@@ -599,7 +599,7 @@ def test_blind_signoff_once_then_refused(world, tmp_path):
 
 
 def test_blind_document_scored_before_is_refused(world, tmp_path):
-    from l47.ledger import append_ledger
+    from l47.data.ledger import append_ledger
     from l47.dumps import doc_hash
 
     good = world["bundles"]["good"]
@@ -632,7 +632,7 @@ def test_blind_against_another_bundle_is_refused(world, tmp_path):
 
 
 def test_bundle_for_another_model(world, tmp_path):
-    from l47.synth import SynthDims, write_synth_gguf
+    from l47.testing.synth import SynthDims, write_synth_gguf
 
     other = write_synth_gguf(tmp_path / "other.gguf", SynthDims(**{**DIMS_KW, "f": 96}), seed=1)
     with pytest.raises(L47Error, match="another model"):
@@ -643,7 +643,7 @@ def test_bundle_for_another_model(world, tmp_path):
 def test_record_for_another_base_is_refused(world, tmp_path):
     bundle = tmp_path / "good_copy.gguf"
     shutil.copy(world["bundles"]["good"], bundle)
-    from l47.record import read_record, record_path_for
+    from l47.data.record import read_record, record_path_for
 
     r = read_record(record_path_for(world["bundles"]["good"]))
     record_path_for(bundle).write_text(replace(r, base_sha256="0" * 64).to_json())

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from l47.errors import L47Error
-from l47.gguf_io import open_gguf
-from l47.names import PROVENANCE_PREFIX
+from l47.model.gguf_io import open_gguf
+from l47.model.names import PROVENANCE_PREFIX
 from l47.solvers.bundle import requantize_target, transplant, write_bundle, write_overlay
-from l47.synth import SynthDims, write_synth_gguf
-from l47.weights import load_tail_weights
+from l47.testing.synth import SynthDims, write_synth_gguf
+from l47.model.weights import load_tail_weights
 
 DIMS = SynthDims(n=256, f=64, r=32, hc=4, V=512, n_layers=3)
 

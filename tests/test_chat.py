@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from l47 import names
+from l47.model import names
 from l47.dumps.chat import (Document, Message, read_documents, render_chat, render_document, render_plain)
 from l47.errors import L47Error
 

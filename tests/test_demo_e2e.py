@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from l47.demo import MODEL, DemoArgs, run_demo
+from l47.app.demo import MODEL, DemoArgs, run_demo
 
-pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason="demo model not shipped")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ References, all independent of the code that made the file:
     tensor types      DESIGN §1 / issue 7 (every ffn_down_shexp Q8_0, output.weight Q6_K, output_hc_* BF16,
                       norms F32), written out here, not taken from the exporter
     vocabulary        the committed tokenizer.json run by `tokenizers` vs the vocabulary rebuilt from the GGUF's
-                      metadata by l47.vocab: identical ids on every held-out document
+                      metadata by l47.model.vocab: identical ids on every held-out document
     tail forward      transformers' own Qwen4Exp built from the GGUF (same runtime weights, policy "strata"):
                       logits of the exact tail forward vs the full network's, f32 both (|z| up to ~20). They agree
                       to ~1e-6 relative (bitwise here), so max |Δlogit| <= 1e-4, as tests/test_forward.py; the
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from l47 import names
-from l47.gguf_io import open_gguf, type_name
+from l47.model import names
+from l47.model.gguf_io import open_gguf, type_name
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "l47" / "demo_data"
@@ -57,7 +57,7 @@ def g():
 
 @pytest.fixture(scope="module")
 def vocab(g):
-    from l47.vocab import vocab_from_gguf
+    from l47.model.vocab import vocab_from_gguf
 
     return vocab_from_gguf(g)
 
@@ -123,8 +123,8 @@ def test_gguf_vocab_matches_tokenizer_json(vocab):
 
 
 def test_tail_forward_matches_transformers(g, vocab, hf_model):
-    from l47.forward import full_logits, tail_mix
-    from l47.weights import load_tail_weights
+    from l47.tail.forward import full_logits, tail_mix
+    from l47.model.weights import load_tail_weights
     from tiny_hf import capture
 
     w = load_tail_weights(g, policy="strata")

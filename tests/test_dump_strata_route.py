@@ -82,7 +82,7 @@ def _docs(tmp_path) -> Path:
 
 
 def test_forced_route_matches_hf_route(tmp_path, tiny_gguf, fake_bin):
-    from l47.dumping import run_dump
+    from l47.app.dumping import run_dump
     from l47.dumps import read_dump
 
     s = run_dump("strata", tiny_gguf, _docs(tmp_path), tmp_path / "st", engine_bin=fake_bin)
@@ -100,7 +100,7 @@ def test_forced_route_matches_hf_route(tmp_path, tiny_gguf, fake_bin):
 
 
 def test_generate_route_records_provenance(tmp_path, tiny_gguf, fake_bin):
-    from l47.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import GenerateOptions, run_dump
     from l47.dumps import read_dump
 
     s = run_dump("strata", tiny_gguf, _docs(tmp_path), tmp_path / "g", engine_bin=fake_bin,

@@ -24,7 +24,7 @@ from l47.dumps import (Dump, DumpError, DumpMeta, SCHEMA_VERSION, doc_hash, dump
                        write_dump)
 from l47.dumps.schema import META_KEY, _order
 from l47.errors import L47Error
-from l47.names import ROLE_ID, ROLES
+from l47.model.names import ROLE_ID, ROLES
 
 # tiny dims (the README's worked example uses the same): T=3, hc=4, n=256, f=64, r=32, V=1024, k=5
 T, HC, N, F, RK, V, K = 3, 4, 256, 64, 32, 1024, 5
@@ -401,10 +401,10 @@ def test_meta_json_round_trip_and_errors():
 
 
 def test_dumps_imports_only_allowed_modules():
-    """DESIGN §2: dumps/ may import numpy, torch, safetensors, stdlib and l47.names/l47.errors only."""
+    """DESIGN §2: dumps/ may import numpy, torch, safetensors, stdlib and l47.model.names/l47.errors only."""
     code = ("import sys, l47.dumps; bad = sorted({m.split('.')[0] for m in sys.modules} & "
             "{'transformers', 'gguf', 'scipy', 'matplotlib', 'typer', 'rich'}); "
             "core = sorted(m for m in sys.modules if m.startswith('l47.') and not m.startswith('l47.dumps') "
-            "and m not in ('l47.names', 'l47.errors')); print(bad, core)")
+            "and m not in ('l47.model', 'l47.model.names', 'l47.errors')); print(bad, core)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[] []"

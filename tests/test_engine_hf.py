@@ -20,13 +20,13 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
-from l47 import names
+from l47.model import names
 from l47.engine import hf as eng
 from l47.engine.gguf_export import export_gguf, load_hf, load_hf_from_gguf
 from l47.errors import L47Error
-from l47.gguf_io import open_gguf
+from l47.model.gguf_io import open_gguf
 
-forward = pytest.importorskip("l47.forward", reason="l47.forward (the exact tail forward) not available yet")
+forward = pytest.importorskip("l47.tail.forward", reason="l47.tail.forward (the exact tail forward) not available yet")
 TOL = 1e-4  # nats: zero-proxy bar for the f32 engine
 LAST = 2  # tiny model: 3 layers
 
@@ -122,7 +122,7 @@ def test_f32_export_round_trips_the_model(tmp_path, tiny_hf_model):
 
 
 def test_load_refuses_foreign_or_incomplete_gguf(tmp_path, tiny_gguf):
-    from l47.gguf_io import write_gguf
+    from l47.model.gguf_io import write_gguf
 
     g = open_gguf(tiny_gguf)
     kv = {k: v for k, v in g.kv.items() if k != names.K_HF_CONFIG}
@@ -156,7 +156,7 @@ def test_load_hf_checkpoint_dir(tmp_path, tiny_hf_model):
 
 def test_run_dump_from_checkpoint_dir(tmp_path, tiny_hf_model, tiny_vocab):
     """The engine on a transformers checkpoint: tail weights straight from the model, model id "hf:…"."""
-    from l47.dumping import run_dump
+    from l47.app.dumping import run_dump
     from l47.dumps import read_dump
 
     tiny_hf_model(0).save_pretrained(tmp_path / "ckpt")
@@ -249,8 +249,8 @@ def test_zero_proxy_on_captured_arrays(tiny_hf_model, tiny_gguf):
     states are caught."""
     from types import SimpleNamespace
 
-    from l47.forward import score_dump
-    from l47.weights import load_tail_weights
+    from l47.tail.forward import score_dump
+    from l47.model.weights import load_tail_weights
 
     m = tiny_hf_model(0)
     ids = _ids(40, seed=5)
@@ -340,7 +340,7 @@ def _docs(d, only: str | None = None):
 @pytest.fixture(scope="module")
 def base_dumps(tmp_path_factory, tiny_gguf):
     """One `l47 dump` of the two documents with the GGUF-built engine, shared by the end-to-end tests."""
-    from l47.dumping import run_dump
+    from l47.app.dumping import run_dump
 
     d = tmp_path_factory.mktemp("base_dumps")
     docs = _docs(d)
@@ -348,7 +348,7 @@ def base_dumps(tmp_path_factory, tiny_gguf):
 
 
 def test_run_dump_end_to_end(tmp_path, tiny_gguf, tiny_vocab, base_dumps):
-    from l47.dumping import run_dump
+    from l47.app.dumping import run_dump
     from l47.dumps import read_dump
     from l47.dumps.chat import render_chat
 
@@ -391,7 +391,7 @@ def test_run_dump_end_to_end(tmp_path, tiny_gguf, tiny_vocab, base_dumps):
 def test_run_dump_scores_identically_through_l47_score(base_dumps, tiny_gguf):
     """`l47 score` on the dumps gives the engine's own log p (mean CE over positions) within the bar."""
     from l47.dumps import read_dump
-    from l47.score import ScoreArgs, run_score
+    from l47.app.score import ScoreArgs, run_score
 
     _, _, out = base_dumps
     files = tuple(sorted(out.glob("*.safetensors")))
@@ -403,7 +403,7 @@ def test_run_dump_scores_identically_through_l47_score(base_dumps, tiny_gguf):
 
 
 def test_run_dump_refuses_above_tolerance_and_bad_layer(tmp_path, tiny_gguf):
-    from l47.dumping import run_dump
+    from l47.app.dumping import run_dump
 
     out = tmp_path / "d"
     docs = _docs(tmp_path, "plain")
@@ -420,7 +420,7 @@ def test_run_dump_refuses_above_tolerance_and_bad_layer(tmp_path, tiny_gguf):
 
 
 def test_run_dump_generate_mode(tmp_path, tiny_gguf, tiny_vocab):
-    from l47.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import GenerateOptions, run_dump
     from l47.dumps import read_dump
 
     gen = GenerateOptions(max_new_tokens=12, seed=3, temperature=0.8, top_p=0.95, top_k=40, think=True)
@@ -443,11 +443,11 @@ def test_run_dump_generate_mode(tmp_path, tiny_gguf, tiny_vocab):
 def test_engine_on_transplanted_bundle_matches_tail_prediction(tmp_path, tiny_gguf, base_dumps):
     """Seed §3.1: the transplanted GGUF's own log p(next) = the tail forward's prediction from the BASE dumps
     plus the edit (W_sd + ΔW re-quantised to Q8_0, as it ships)."""
-    from l47.dumping import run_dump
+    from l47.app.dumping import run_dump
     from l47.dumps import read_dump
-    from l47.forward import score_dump
-    from l47.gguf_io import copy_with_tensor_replaced
-    from l47.weights import load_tail_weights, runtime_tensor
+    from l47.tail.forward import score_dump
+    from l47.model.gguf_io import copy_with_tensor_replaced
+    from l47.model.weights import load_tail_weights, runtime_tensor
 
     _, docs, base_out = base_dumps
     edit_out = tmp_path / "edit"

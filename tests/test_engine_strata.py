@@ -31,7 +31,7 @@ from l47.engine import strata as st
 from l47.errors import L47Error
 
 TOL_F32 = 1e-4  # nats: faithful f32 encoding (the f32 engine's bar)
-TOL_STRATA = 1e-3  # nats: Strata's fp16 prompt path (l47.dumping's default tolerance for strata)
+TOL_STRATA = 1e-3  # nats: Strata's fp16 prompt path (l47.app.dumping's default tolerance for strata)
 LAST = 2  # tiny model: 3 layers
 K = 8  # top-k of the logit-position output
 SETTINGS = {"STRATA_METAL_MOCE_BONUS": "0", "STRATA_METAL_ROUTER_BF16": "1", "STRATA_HC_Q4": "0",
@@ -129,8 +129,8 @@ def ref(tiny_gguf):
     """`hf` captures from the GGUF-built engine (strata policy), the tail weights, XF, and a greedy generation."""
     from l47.engine import hf as eng
     from l47.engine.gguf_export import load_hf_from_gguf
-    from l47.gguf_io import open_gguf
-    from l47.weights import load_tail_weights
+    from l47.model.gguf_io import open_gguf
+    from l47.model.weights import load_tail_weights
 
     m = load_hf_from_gguf(tiny_gguf, policy="strata")
     ids = torch.randint(0, 1024, (41,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -154,8 +154,8 @@ def _base(T: int, **kw) -> dict:
 
 
 def _zero_proxy(tmp_path: Path, arrays: dict, fields: dict, tail) -> tuple[float, float]:
-    """write_dump -> read_dump -> l47.dumping.zero_proxy: the same path `l47 dump` takes."""
-    from l47.dumping import zero_proxy
+    """write_dump -> read_dump -> l47.app.dumping.zero_proxy: the same path `l47 dump` takes."""
+    from l47.app.dumping import zero_proxy
     from l47.dumps import DumpMeta, read_dump, write_dump
 
     p = write_dump(tmp_path / "out.safetensors", arrays, DumpMeta(**fields))

@@ -1,4 +1,4 @@
-"""The experiment file (l47.experiment): the documented example parses, defaults are the seed's numbers, and
+"""The experiment file (l47.data.experiment): the documented example parses, defaults are the seed's numbers, and
 every kind of bad input is a clear L47Error naming the item (typo'd keys list the valid ones).
 
 No arithmetic: comparisons are exact (defaults against the numbers written in the seed / DESIGN §4, §6).
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from l47.errors import L47Error
-from l47.experiment import Thresholds, load_experiment
+from l47.data.experiment import Thresholds, load_experiment
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "EXPERIMENT.md"
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from l47.forward import (full_logits, head_stats, logp_at, paired_stats, streamed_kl, streamed_lse, tail_mix)
-from l47.weights import TailWeights
+from l47.tail.forward import (full_logits, head_stats, logp_at, paired_stats, streamed_kl, streamed_lse, tail_mix)
+from l47.model.weights import TailWeights
 from tiny_hf import capture, tiny_model
 
 TOL = 1e-4

@@ -1,4 +1,4 @@
-"""l47.gguf_io against the independent reference: gguf-py's GGUFWriter / GGUFReader (0.19) and gguf.quants.
+"""l47.model.gguf_io against the independent reference: gguf-py's GGUFWriter / GGUFReader (0.19) and gguf.quants.
 
 Byte comparisons are exact (a reader either finds the same bytes or it is wrong); dequantized values are
 compared with gguf.quants at tolerance 0 for F32/F16/BF16/Q8_0 (the same f32 arithmetic: scale × int8 code).
@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 
 from l47.errors import L47Error
-from l47.gguf_io import (
+from l47.model.gguf_io import (
     GGUF_MAGIC,
     TensorInfo,
     copy_with_tensor_replaced,
@@ -339,7 +339,7 @@ def test_sha256_and_repr(ref_file):
     assert ref_file.read_bytes()[:4] == GGUF_MAGIC
 
 
-@pytest.mark.skipif(importlib.util.find_spec("l47.quants") is None, reason="l47.quants not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("l47.model.quants") is None, reason="l47.model.quants not written yet")
 def test_tensor_dequantizes_like_gguf_quants(ref_file):
     import torch
 

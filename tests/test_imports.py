@@ -1,71 +1,142 @@
-"""Imports go one way (DESIGN §2): engine/ -> dumps/ -> l47 core -> solvers/, evals/.
-
-Checked statically (ast) on every module, including imports inside functions."""
+"""Imports go one way (docs/ARCHITECTURE.md): the import graph of the installed package, read with ast from the
+folders that pyproject.toml maps to each package, checked edge by edge against one table. No module is exempt:
+the drivers live in l47.app, which may import everything. Imports inside functions count."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# orchestration modules of the l47 package may reach every stage: they are the pipeline's drivers
-DRIVERS = {"cli.py", "dumping.py", "bench.py", "demo.py"}
-STAGES = ("engine", "dumps", "solvers", "evals")
+
+BASE = {"l47", "l47.errors", "l47.fileio"}
+# layer -> layers it may import (itself always allowed). `l47.model.names` is the one constants module and
+# imports nothing of l47, so `dumps` may read it too.
 ALLOWED = {
-    "dumps": {"l47.names", "l47.errors", "l47.dumps"},
-    "core": {"l47", "l47.dumps"},
-    "engine": {"l47", "l47.dumps", "l47.engine"},
-    "solvers": {"l47", "l47.dumps", "l47.solvers"},
-    "evals": {"l47", "l47.dumps", "l47.evals"},
+    "l47": set(),
+    "l47.dumps": {"l47.model.names"},
+    "l47.model": {"l47.dumps"},
+    "l47.engine": {"l47.model", "l47.dumps"},
+    "l47.tail": {"l47.model"},
+    "l47.data": {"l47.model", "l47.tail", "l47.dumps"},
+    "l47.solvers": {"l47.model", "l47.tail", "l47.data", "l47.dumps"},
+    "l47.evals": {"l47.model", "l47.tail", "l47.data", "l47.dumps"},
+    "l47.testing": {"l47.model", "l47.tail", "l47.dumps"},
+    "l47.app": {"*"},
 }
 
 
-def _imports(path: Path) -> set[str]:
+def package_map() -> dict[str, Path]:
+    """{package name: folder} from pyproject.toml's setuptools package-dir / packages (what pip installs)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    pdir = cfg["package-dir"]
+    out = {}
+    for pkg in cfg["packages"]:
+        # a package without its own package-dir entry sits under its parent's folder
+        parent, _, leaf = pkg.rpartition(".")
+        out[pkg] = ROOT / pdir[pkg] if pkg in pdir else out[parent] / leaf
+    return out
+
+
+def modules() -> dict[str, Path]:
+    mods = {}
+    for pkg, folder in package_map().items():
+        for f in sorted(folder.glob("*.py")):
+            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return mods
+
+
+def imports_of(path: Path, modname: str, mods=None) -> set[str]:
+    mods = modules() if mods is None else mods
     out = set()
+    pkg = modname if path.stem == "__init__" else modname.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "l47":  # `from l47 import names` -> l47.names
-                out |= {f"l47.{a.name}" for a in node.names}
-            else:
-                out.add(node.module)
-    return {m for m in out if m == "l47" or m.startswith("l47.") or m.split(".")[0] in STAGES}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:  # `from l47.model import names` is an edge to l47.model.names, not the package
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
+    return out
 
 
-def _stage_of(mod: str) -> str:
-    parts = mod.split(".")
-    if parts[0] in STAGES:
-        return "bare:" + parts[0]  # a bare top-level import would clash with PyPI names (`evals`)
-    if len(parts) > 1 and parts[1] in STAGES:
-        return "l47." + parts[1]
-    return "l47"
+def layer_of(mod: str, layers) -> str | None:
+    best = None
+    for lay in layers:
+        if (mod == lay or mod.startswith(lay + ".")) and (best is None or len(lay) > len(best)):
+            best = lay
+    return best
 
 
-def _ok(stage: str, mod: str) -> bool:
-    s = _stage_of(mod)
-    if s.startswith("bare:"):
-        return False
-    allowed = ALLOWED[stage]
-    if stage == "dumps":
-        return mod in allowed or s == "l47.dumps"
-    return s in allowed
+def edge_ok(src: str, dst: str, mods: dict) -> bool:
+    if dst not in mods and not any(m.startswith(dst + ".") for m in mods):
+        return True  # a name imported from a module (`from l47.model.names import ROLES` -> ...names.ROLES)
+    if dst in BASE:
+        return True
+    s, d = layer_of(src, ALLOWED), layer_of(dst, ALLOWED)
+    if d is None or s == d:
+        return True
+    allowed = ALLOWED[s]
+    return "*" in allowed or d in allowed or dst in allowed or any(dst.startswith(a + ".") for a in allowed)
 
 
-def test_imports_go_one_way():
-    bad = []
-    for stage, folder in (("dumps", "dumps"), ("engine", "engine"), ("solvers", "solvers"), ("evals", "evals"),
-                          ("core", "l47")):
-        for f in sorted((ROOT / folder).glob("*.py")):
-            if stage == "core" and f.name in DRIVERS:
-                continue
-            for mod in _imports(f):
-                if not _ok(stage, mod):
-                    bad.append(f"{folder}/{f.name} imports {mod}")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: {i for i in imports_of(p, m, mods) if i.split(".")[0] == "l47"} for m, p in mods.items()}
+
+
+def test_every_edge_of_the_installed_package_is_allowed():
+    mods = modules()
+    bad = [f"{src} imports {dst}" for src, dsts in graph().items() for dst in sorted(dsts)
+           if not edge_ok(src, dst, mods)]
     assert not bad, "\n".join(bad)
+
+
+def test_no_bare_stage_imports():
+    """`evals`, `engine` ... are taken on PyPI: the pipeline folders are only ever imported as l47.<folder>."""
+    bad = []
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            bad += [f"{m}: {n}" for n in names if n.split(".")[0] in ("engine", "evals", "solvers", "dumps")]
+    assert not bad, bad
+
+
+def test_no_import_cycles_between_layers():
+    mods = modules()
+    layer_edges = {}
+    for src, dsts in graph().items():
+        for dst in dsts:
+            s, d = layer_of(src, ALLOWED), layer_of(dst, ALLOWED)
+            if d and s != d and dst not in BASE and (dst in mods or any(m.startswith(dst + ".") for m in mods)):
+                layer_edges.setdefault(s, set()).add(d)
+    # l47.dumps -> l47.model (names only) and l47.model -> l47.dumps would be a cycle: model must not read dumps
+    # through the package; check with a DFS
+    seen, stack = set(), []
+
+    def dfs(u):
+        stack.append(u)
+        for v in layer_edges.get(u, ()):
+            assert v not in stack, "cycle: " + " -> ".join(stack + [v])
+            if v not in seen:
+                dfs(v)
+        stack.pop()
+        seen.add(u)
+
+    for u in list(layer_edges):
+        if u not in seen:
+            dfs(u)
 
 
 def test_checker_detects_a_violation(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def g():\n    from l47.solvers.wfld import solve_wfld\n")
-    assert not all(_ok("evals", m) for m in _imports(f))
+    mods = modules()
+    assert not all(edge_ok("l47.evals.audit", d, mods) for d in imports_of(f, "l47.evals.audit")
+                   if d.startswith("l47"))
+    assert all(edge_ok("l47.app.cli", d, mods) for d in imports_of(f, "l47.app.cli") if d.startswith("l47"))

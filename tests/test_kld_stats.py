@@ -1,6 +1,6 @@
 """The llama-perplexity KLD statistics against an independent float64 numpy computation on random logits.
 
-The chain under test is the one the audit runs: random f32 `mix` rows and head → `l47.forward.paired_stats`
+The chain under test is the one the audit runs: random f32 `mix` rows and head → `l47.tail.forward.paired_stats`
 (streamed over vocabulary chunks, f64 sums) → `l47.evals.kld_stats.kld_stats_of_pairs`. The reference builds
 the full [T, V] logits from the same f32 values in float64, takes log-softmax, the KL divergence, and every
 summary figure with numpy / scipy primitives (np.percentile, np.corrcoef, np.std), not with the sums the module
@@ -18,8 +18,8 @@ import torch
 from scipy.special import log_softmax
 
 from l47.evals.kld_stats import DP_PERCENTILES, KLD_PERCENTILES, format_llama, kld_stats, kld_stats_of_pairs
-from l47.forward import paired_stats
-from l47.weights import TailWeights
+from l47.tail.forward import paired_stats
+from l47.model.weights import TailWeights
 
 
 def _weights(head: torch.Tensor) -> TailWeights:

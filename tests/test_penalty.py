@@ -17,7 +17,7 @@ from scipy.special import log_softmax
 from l47.errors import L47Error
 from l47.evals.penalty import (FORM_EXACT, FORM_LAST, FORM_SEED, PenaltyRule, PenaltySpec, extra_hits,
                                logits_processor, make_spec, penalized_at, penalty_mask, read_spec, simulate)
-from l47.forward import HeadStats
+from l47.tail.forward import HeadStats
 
 V = 40
 # banned tuples over a toy vocabulary: "end to end" = (7, 8, 7), "rather than" = (11, 12), "right away" = (20, 21)
@@ -27,7 +27,7 @@ SPEC = PenaltySpec(bias=4.0, rules=RULES)
 
 
 def _stats(z: np.ndarray, targets: np.ndarray, finals, k: int) -> HeadStats:
-    """HeadStats of full f64 logits z [T, V] (what l47.forward computes per position, here exactly)."""
+    """HeadStats of full f64 logits z [T, V] (what l47.tail.forward computes per position, here exactly)."""
     lp = log_softmax(z, axis=1)
     order = np.argsort(-lp, axis=1, kind="stable")[:, :k]
     T = z.shape[0]

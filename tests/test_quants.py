@@ -1,4 +1,4 @@
-"""l47.quants against the independent reference gguf.quants (gguf-py 0.19) and float64 numpy re-derivations.
+"""l47.model.quants against the independent reference gguf.quants (gguf-py 0.19) and float64 numpy re-derivations.
 
 Tolerances:
   * F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q6_K decoding and F32/F16/BF16/Q8_0 encoding: tolerance 0, compared as BIT
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from l47 import quants as lq
+from l47.model import quants as lq
 from l47.errors import L47Error
 
 RNG = np.random.default_rng(20240601)

@@ -10,16 +10,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from l47.cli import app
+from l47.app.cli import app
 from l47.dumps import SCHEMA_VERSION, DumpMeta, write_dump
 from l47.errors import L47Error
-from l47.gguf_io import open_gguf
-from l47.ledger import append_ledger, read_ledger
-from l47.names import ROLES
-from l47.score import ScoreArgs, run_score
+from l47.model.gguf_io import open_gguf
+from l47.data.ledger import append_ledger, read_ledger
+from l47.model.names import ROLES
+from l47.app.score import ScoreArgs, run_score
 from l47.solvers.bundle import requantize_target, write_bundle
-from l47.synth import SynthDims, synth_dump_arrays, write_synth_gguf
-from l47.weights import load_tail_weights
+from l47.testing.synth import SynthDims, synth_dump_arrays, write_synth_gguf
+from l47.model.weights import load_tail_weights
 
 DIMS = SynthDims(n=256, f=64, r=32, hc=4, V=512, n_layers=3)
 
@@ -46,7 +46,7 @@ def world(tmp_path_factory):
 
 
 def _dense(w, d, W):
-    from l47.forward import full_logits, mix_of_dump
+    from l47.tail.forward import full_logits, mix_of_dump
 
     z = full_logits(mix_of_dump(d, w, W_sd=W), w).double()
     return torch.log_softmax(z, -1)
@@ -54,7 +54,7 @@ def _dense(w, d, W):
 
 def test_score_figures_match_dense_reference_and_ledger(world, tmp_path):
     from l47.dumps import read_dump
-    from l47.score import edited_weight
+    from l47.model.weights import edited_weight
 
     ledger = tmp_path / "ledger.jsonl"
     tsv = tmp_path / "pos.tsv"

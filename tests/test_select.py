@@ -14,11 +14,11 @@ import math
 import numpy as np
 import pytest
 
-from l47 import names
+from l47.model import names
 from l47.dumps.select import (PhraseTuples, chat_structure, dup_line_rate, find_collateral, find_events,
                               guard_document, ngram_repeat_rate, occurrences, phrase_tuples, phrases_to_tuples,
                               provenance_reasons, sampler_violations, split_documents)
-from l47.vocab import vocab_qwen36
+from l47.model.vocab import vocab_qwen36
 
 R = names.ROLE_ID
 

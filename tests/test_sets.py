@@ -1,4 +1,4 @@
-"""`l47 sets` end to end (l47.sets) on dumps made by the hf engine from the tiny transformers model, scored with
+"""`l47 sets` end to end (l47.data.sets) on dumps made by the hf engine from the tiny transformers model, scored with
 the tiny model's own GGUF (conftest: tiny_hf_model(0) exported with the tiny BPE vocabulary).
 
 References:
@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from l47 import names
+from l47.model import names
 from l47.dumps import SCHEMA_VERSION, DumpMeta, read_dump, write_dump
 from l47.dumps.chat import render_chat, render_plain
 from l47.errors import L47Error
-from l47.synth import SynthDims, synth_dump_arrays
-from l47.sets import build_sets, load_sets_report, render_sets_table, run_sets, write_sets_json
+from l47.testing.synth import SynthDims, synth_dump_arrays
+from l47.data.sets import build_sets, load_sets_report, render_sets_table, run_sets, write_sets_json
 
 FILLER = [
     "The quick brown fox jumps over the lazy dog.",
@@ -80,7 +80,7 @@ def world(tmp_path_factory, tiny_hf_model, tiny_vocab, tiny_gguf):
     cache = {}
 
     def dump(name, ids, role, prov, text, states="model"):
-        """states "model": captured from the tiny model (once per id sequence); "synth": l47.synth arrays (for
+        """states "model": captured from the tiny model (once per id sequence); "synth": l47.testing.synth arrays (for
         documents refused before their numbers matter — keeps this fixture fast on 2 cores)."""
         key = tuple(int(i) for i in ids)
         if states == "synth":
@@ -165,7 +165,7 @@ words = [" than", " end", " away"]
 
 
 def _np_logp(w, d) -> np.ndarray:
-    """log p(target) [T] in float64 numpy straight from DESIGN §1 (independent of l47.forward)."""
+    """log p(target) [T] in float64 numpy straight from DESIGN §1 (independent of l47.tail.forward)."""
     f = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
     sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
     T, hc, n = d.R.shape
@@ -196,7 +196,7 @@ def _doc(report, name):
 
 
 def test_base_p_is_the_exact_forward(report, world):
-    from l47.weights import load_tail_weights
+    from l47.model.weights import load_tail_weights
 
     w = load_tail_weights(world[0] / "model.gguf", policy="exact")
     recs = list(report.events) + list(report.non_events) + list(report.collateral)

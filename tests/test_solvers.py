@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from l47.forward import paired_stats, tail_mix
+from l47.tail.forward import paired_stats, tail_mix
 from l47.solvers.batch import Batch, EventTerms, pick_chosen
 from l47.solvers.ftpo import FtpoConfig, train_ftpo
 from l47.solvers.wfld import WfldConfig, solve_wfld

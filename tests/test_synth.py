@@ -1,4 +1,4 @@
-"""l47.synth: the synthetic GGUF has the layout, types, metadata and scales it promises.
+"""l47.testing.synth: the synthetic GGUF has the layout, types, metadata and scales it promises.
 
 Independent references: gguf.GGUFReader for the file structure, gguf.quants for every dequantization (it
 dequantizes Q6_K too), and a float64 numpy re-derivation of DESIGN §1's tail forward for the logit scale.
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
-from l47.gguf_io import open_gguf
-from l47.synth import REAL_DIMS, UNKNOWN_TYPE_ID, SynthDims, synth_dump_arrays, write_synth_gguf
+from l47.model.gguf_io import open_gguf
+from l47.testing.synth import REAL_DIMS, UNKNOWN_TYPE_ID, SynthDims, synth_dump_arrays, write_synth_gguf
 
-HAVE_QUANTS = importlib.util.find_spec("l47.quants") is not None
-HEADS = ["Q8_0", pytest.param("Q6_K", marks=pytest.mark.skipif(not HAVE_QUANTS, reason="l47.quants missing"))]
+HAVE_QUANTS = importlib.util.find_spec("l47.model.quants") is not None
+HEADS = ["Q8_0", pytest.param("Q6_K", marks=pytest.mark.skipif(not HAVE_QUANTS, reason="l47.model.quants missing"))]
 D = SynthDims()
 L = D.n_layers - 1
 

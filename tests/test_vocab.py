@@ -1,4 +1,4 @@
-"""The model's vocabulary (l47.vocab): the real Qwen3.6 ids, the GGUF byte-level BPE path against independent
+"""The model's vocabulary (l47.model.vocab): the real Qwen3.6 ids, the GGUF byte-level BPE path against independent
 tokenizers, and the trained-tokenizer → GGUF metadata → Vocab round trip.
 
 References (all comparisons exact — tokenisation has no tolerance):
@@ -16,10 +16,10 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
-from l47.gguf_io import open_gguf, write_gguf
-from l47.vocab import (PRE_PATTERNS, TT_CONTROL, TT_NORMAL, _bl_encode, bytes_to_unicode, qwen36_path,
+from l47.model.gguf_io import open_gguf, write_gguf
+from l47.model.vocab import (PRE_PATTERNS, TT_CONTROL, TT_NORMAL, _bl_encode, bytes_to_unicode, qwen36_path,
                        qwen_pre_tokenizer, vocab_for_model, vocab_from_gguf, vocab_from_kv, vocab_qwen36,
                        vocab_to_gguf_kv)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 GGUF_MAGIC = b"GGUF"
@@ -24,7 +24,7 @@ def _tail_names(g) -> list[str]:
 
 
 def inspect_gguf(path: Path, console: Console) -> None:
-    from l47.gguf_io import open_gguf
+    from l47.model.gguf_io import open_gguf
 
     g = open_gguf(path)
     arch = g.kv.get(names.KEY_ARCH, "?")

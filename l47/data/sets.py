@@ -8,7 +8,7 @@ by document (seeded). The report is what `l47 solve` (train/dev events, collater
 (held-out events, collateral_eval, chat sets) consume, as JSON.
 
 Notation for array shapes: T positions of a document (row t predicts tokens[t+1]); k top-k of the head pass.
-Precision: log p and CE come from the tail forward in f32 with f64 vocabulary reductions (l47.forward); the
+Precision: log p and CE come from the tail forward in f32 with f64 vocabulary reductions (l47.tail.forward); the
 report stores p = exp(log p) as f64.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 from l47.dumps.schema import PROV_GENERATED
-from l47.experiment import KLD, SETS, SPLIT_SETS, Experiment, load_experiment
+from l47.data.experiment import KLD, SETS, SPLIT_SETS, Experiment, load_experiment
 
 SCHEMA = "l47.sets/1"
 POOL = "pool"
@@ -235,8 +235,8 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     from l47.dumps import read_dump
     from l47.dumps.select import (chat_structure, find_collateral, find_events, guard_document,
                                   provenance_reasons)
-    from l47.forward import score_dump
-    from l47.weights import check_dump_dims
+    from l47.tail.forward import score_dump
+    from l47.model.weights import check_dump_dims
 
     w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
     try:
@@ -327,7 +327,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
 
 
 def _vocab_for(experiment: Experiment, weights):
-    from l47 import vocab as V
+    from l47.model import vocab as V
 
     if experiment.vocab == "qwen36":
         return V.vocab_qwen36()
@@ -340,7 +340,7 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
                progress: Callable[[str], None] | None = None) -> SetsReport:
     """Mine, score, guard and split every document of an experiment. See the module docstring."""
     from l47.dumps.select import phrases_to_tuples, split_documents
-    from l47.weights import TailWeights, load_tail_weights
+    from l47.model.weights import TailWeights, load_tail_weights
 
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     th = exp.thresholds
@@ -553,7 +553,7 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     L47Error (the CLI prints it and exits 2)."""
     from rich.console import Console
 
-    from l47.ledger import default_ledger
+    from l47.data.ledger import default_ledger
 
     console = console or Console()
     exp = load_experiment(experiment_path)
@@ -565,7 +565,7 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
         console.print(f"sets JSON: {p}")
     ledger = ledger if ledger is not None else default_ledger()
     if ledger is not None:  # every document scored here, against the base model (blind ones are never scored)
-        from l47.ledger import append_ledger
+        from l47.data.ledger import append_ledger
 
         append_ledger(ledger, [(d.sha256, report.model_sha256) for d in report.docs
                                if d.set != "blind" and d.sha256 and d.ce is not None], "sets")

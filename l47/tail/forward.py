@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from l47.weights import TailWeights, as_f32
+from l47.model.weights import TailWeights, as_f32
 
 DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [T, C] f32 temporaries stay small
 

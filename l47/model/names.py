@@ -5,7 +5,7 @@ follow llama.cpp's conventions (`blk.{L}.ffn_down_shexp.weight`, `output.weight`
 tensors use the `hc_attn_*` / `hc_ffn_*` / `output_hc_*` family seen in the public qwen4exp files.
 
 Dimension order: GGUF stores `ne` fastest-first; everything in this project uses the *logical* torch/numpy
-order `[rows, cols]` (= reversed `ne`). The flip happens in exactly one place: `l47.gguf_io`.
+order `[rows, cols]` (= reversed `ne`). The flip happens in exactly one place: `l47.model.gguf_io`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ max and mean |Δ| (nats) are printed, and a document above tolerance is refused 
 same input hash and model hash is skipped. Bad documents are collected as errors; the others still run.
 
 Notation for shapes: T positions of a document (row t predicts tokens[t+1]).
-Precision: the engine runs in f32; the check's log p in f64 from f32 logits (l47.forward).
+Precision: the engine runs in f32; the check's log p in f64 from f32 logits (l47.tail.forward).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 ENGINES = ("hf", "strata")
@@ -252,8 +252,8 @@ def _strata_document(sbin, model_path: Path, doc, vocab, gen: GenerateOptions | 
 
 def zero_proxy(tail, dump) -> tuple[float, float]:
     """(max, mean) |log p_tail(next) − ref_logp| in nats over the dump's positions."""
-    from l47.forward import score_dump
-    from l47.weights import check_dump_dims
+    from l47.tail.forward import score_dump
+    from l47.model.weights import check_dump_dims
 
     check_dump_dims(tail, dump.meta, str(dump.path))
     s = score_dump(tail, dump)
@@ -290,15 +290,15 @@ def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int
         raise L47Error(model_path, "model", "a qwen4exp GGUF or a transformers checkpoint directory", "nothing")
     mid = model_id(model_path)
     if model_path.is_file():
-        from l47.vocab import vocab_for_model
-        from l47.weights import load_tail_weights
+        from l47.model.vocab import vocab_for_model
+        from l47.model.weights import load_tail_weights
 
         model = load_hf_from_gguf(model_path, policy=policy, device=device)
         tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
         vocab = vocab_for_model(model_path)
         meta = engine_meta(model, source="gguf", policy=policy)
     else:
-        from l47.vocab import vocab_qwen36
+        from l47.model.vocab import vocab_qwen36
 
         model = load_hf(model_path, device=device)
         tail = tail_weights_from_model(model, mid, layer)
@@ -349,8 +349,8 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
     if engine == "strata":
         from l47.engine import strata
         from l47.engine.hf import model_id
-        from l47.vocab import vocab_for_model
-        from l47.weights import load_tail_weights
+        from l47.model.vocab import vocab_for_model
+        from l47.model.weights import load_tail_weights
 
         sbin = strata.strata_binary(engine_bin)
         if not model_path.is_file():

@@ -12,8 +12,8 @@ import numpy as np
 
 from l47.errors import L47Error
 from l47.fileio import write_text_atomic
-from l47.forward import HeadStats, PairedStats, score_dump, score_pair
-from l47.weights import TailWeights, check_dump_dims, load_tail_weights, runtime_tensor
+from l47.tail.forward import HeadStats, PairedStats, score_dump, score_pair
+from l47.model.weights import TailWeights, check_dump_dims, edited_weight, load_tail_weights, runtime_tensor
 
 
 @dataclass(frozen=True)
@@ -52,28 +52,6 @@ class ScoreResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
-    """Runtime value of the edited tensor in a bundle (full GGUF or overlay), same policy as the base."""
-    from l47.gguf_io import open_gguf
-
-    b = open_gguf(bundle_path)
-    if w.target not in b.tensors:
-        raise L47Error(bundle_path, f"tensor {w.target}", "present in the bundle", "missing")
-    from l47 import names
-
-    claimed = b.kv.get(names.PROVENANCE_PREFIX + "base_sha256") or b.kv.get(names.PROVENANCE_PREFIX + "overlay_of")
-    if claimed and claimed != w.model_sha256:
-        raise L47Error(bundle_path, names.PROVENANCE_PREFIX + "base_sha256", f"the base {w.model_sha256[:16]}…",
-                       f"{str(claimed)[:16]}… (a bundle of another model)")
-    if b.info(w.target).ggml_type != w.target_type:
-        raise L47Error(bundle_path, f"tensor {w.target}", f"ggml type {w.target_type} (as in the base)",
-                       str(b.info(w.target).type_name))
-    W = runtime_tensor(b, w.target, w.policy, device)
-    if tuple(W.shape) != tuple(w.W_sd.shape):
-        raise L47Error(bundle_path, f"tensor {w.target}", f"shape {tuple(w.W_sd.shape)}", str(tuple(W.shape)))
-    return W, b.sha256()
-
-
 TSV_BASE = ("doc", "pos", "target", "logp_target", "argmax")
 TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
 
@@ -81,7 +59,7 @@ TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
 def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
     """Score every dump; with a bundle, paired base-vs-edited statistics from one streamed pass each."""
     from l47.dumps import read_dump
-    from l47.ledger import append_ledger, default_ledger
+    from l47.data.ledger import append_ledger, default_ledger
 
     w = load_tail_weights(args.model, policy=args.policy, device=args.device)
     W_new, bsha = (None, None)

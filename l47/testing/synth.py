@@ -9,7 +9,7 @@ Notation for tensor shapes:
     r   hyper-connection low rank                hc  hyper-connection streams
     V   vocabulary                               L   the last layer = n_layers - 1
     T   positions of a synthetic document
-Shapes are LOGICAL ([rows, cols], as l47.gguf_io returns them).
+Shapes are LOGICAL ([rows, cols], as l47.model.gguf_io returns them).
 
 Scales (chosen so the tail forward's logits are O(1–10): neither saturated nor ~0):
     W_sd ~ N(0, 1/f)                ys = W_sd·hh has the scale of hh (~1)
@@ -18,7 +18,7 @@ Scales (chosen so the tail forward's logits are O(1–10): neither saturated nor
     head ~ N(0, HEAD_GAIN²/n)       mix has RMS ~0.45 (correlated streams) → logits std ~3.5, |max| ~15
 
 Weights are generated in f32 (numpy, one independent stream per tensor name and seed) and quantized with the
-ggml reference codecs (gguf.quants for BF16/Q8_0; l47.quants for Q6_K, which gguf.quants cannot quantize).
+ggml reference codecs (gguf.quants for BF16/Q8_0; l47.model.quants for Q6_K, which gguf.quants cannot quantize).
 The head is generated, quantized and written in row chunks, so REAL_DIMS never holds it whole in memory.
 """
 
@@ -35,9 +35,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as gq
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
-from l47.gguf_io import write_gguf
+from l47.model.gguf_io import write_gguf
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _quantize(w: np.ndarray, qtype: GGMLQuantizationType, name: str) -> np.ndarr
         return gq.quantize(w, qtype).view(np.uint8)
     import torch
 
-    from l47.quants import quantize  # Q6_K and friends: gguf.quants only dequantizes K-quants
+    from l47.model.quants import quantize  # Q6_K and friends: gguf.quants only dequantizes K-quants
 
     return quantize(torch.from_numpy(np.ascontiguousarray(w)), int(qtype), name=name).numpy()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATA = Path(__file__).resolve().parent / "demo_data"
+DATA = Path(__file__).resolve().parents[1] / "demo_data"
 MODEL = DATA / "demo-model.gguf"
 PHRASES = ("end to end", "short version", "here's what", "exactly what", "what's actually", "right away",
            "rather than")
@@ -106,9 +106,9 @@ def suppress_word_bundle(base: Path, out: Path, word_id: int, contexts, rel_norm
     """Negative control: ΔW that pushes one final word down in EVERY context (no prefix condition), as the
     seed's v3 "mined" loss did (seed §5.3). Rank one: along minus the word's head row, keyed on the mean hh of
     `contexts` ((dump, row) pairs where the word is the target), scaled to ‖ΔW‖/‖W‖ = rel_norm."""
-    from l47.gguf_io import open_gguf
+    from l47.model.gguf_io import open_gguf
     from l47.solvers.bundle import requantize_target, write_bundle
-    from l47.weights import load_tail_weights
+    from l47.model.weights import load_tail_weights
 
     g = open_gguf(base)
     w = load_tail_weights(g, policy="strata")
@@ -124,8 +124,8 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
     """A solve record for the control that says what such a loss touches: every position whose target is the
     word — ordinary uses included, no prefix check (what bar (a) must catch)."""
     import l47
-    from l47 import record as rec
-    from l47.gguf_io import open_gguf
+    from l47.data import record as rec
+    from l47.model.gguf_io import open_gguf
     from l47.fileio import write_text_atomic
 
     touched = [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_SLOP, c.word, c.p_base)
@@ -143,13 +143,13 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
 def run_demo(args: DemoArgs, console) -> int:
     """dump -> sets -> solve -> audit (dev) -> blind sign-off; then the negative control. Exit code 0 when the
     solved bundle passes every bar and the negative control fails."""
-    from l47.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import GenerateOptions, run_dump
     from l47.errors import L47Error
     from l47.evals.audit import AuditArgs, run_audit
-    from l47.sets import build_sets, write_sets_json, render_sets_table
-    from l47.solvers.report import print_solve
+    from l47.data.sets import build_sets, write_sets_json, render_sets_table
+    from l47.app.solve_report import print_solve
     from l47.solvers.solve import SolveArgs, run_solve
-    from l47.vocab import vocab_for_model
+    from l47.model.vocab import vocab_for_model
 
     out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
     if args.fresh and out.exists():

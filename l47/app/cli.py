@@ -48,7 +48,7 @@ def _fmt(x, spec=".4f"):
 @guarded
 def inspect(file: Path = typer.Argument(..., help="a GGUF model/bundle or a dump (.safetensors)")):
     """Describe a GGUF's tail tensors and hyperparameters, or a dump file."""
-    from l47.inspect import inspect_file
+    from l47.app.inspect import inspect_file
 
     inspect_file(file, console)
 
@@ -69,7 +69,7 @@ def score(
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
     from rich.progress import Progress
 
-    from l47.score import ScoreArgs, run_score
+    from l47.app.score import ScoreArgs, run_score
 
     args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger, allow_other_model)
     with Progress(console=err_console, transient=True) as prog:
@@ -108,7 +108,7 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json"),
 ):
     """Throughput and memory of the tail forward (and solvers) at real dims with synthetic weights."""
-    from l47.bench import BenchArgs, run_bench
+    from l47.app.bench import BenchArgs, run_bench
 
     run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out), console)
 
@@ -134,7 +134,7 @@ def dump(
     device: str = typer.Option("cpu"),
 ):
     """Run an engine over documents -> dump files, with the zero-proxy check per document."""
-    from l47.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import GenerateOptions, run_dump
 
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
@@ -153,7 +153,7 @@ def sets(
     ledger: Optional[Path] = typer.Option(None, help="append scored documents to this ledger (default $L47_LEDGER)"),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
-    from l47.sets import run_sets
+    from l47.data.sets import run_sets
 
     raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device, ledger=ledger))
 
@@ -172,7 +172,7 @@ def solve(
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
     from l47.solvers.solve import SolveArgs, run_solve
-    from l47.solvers.report import print_solve
+    from l47.app.solve_report import print_solve
 
     claims = run_solve(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json),
                        log=lambda m: console.print(m, highlight=False))
@@ -205,7 +205,7 @@ def demo(
     control: bool = typer.Option(True, help="also audit a negative-control bundle (must FAIL)"),
 ):
     """The whole workflow on the shipped demo model: dump -> sets -> solve -> audit -> blind -> negative control."""
-    from l47.demo import DemoArgs, run_demo
+    from l47.app.demo import DemoArgs, run_demo
 
     raise typer.Exit(run_demo(DemoArgs(out=out, prompts=prompts, max_new_tokens=max_new_tokens, fresh=fresh,
                                        control=control), console))

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from l47 import names
+from l47.model import names
 from l47.errors import L47Error
 
 POLICIES = ("strata", "exact")
@@ -61,7 +61,7 @@ def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
     """f32 value of tensor `name` as the engine uses it under `policy` (shape = logical GGUF shape)."""
     if policy not in POLICIES:
         raise L47Error("weight policy", "policy", f"one of {POLICIES}", repr(policy))
-    from l47 import quants
+    from l47.model import quants
 
     info = g.info(name)
     w = g.tensor(name, device=device)  # f32, its own dequant
@@ -92,7 +92,7 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
     The layer is the model's last (`block_count - 1`); any other is refused: only the last layer's FFN write
     is followed by nothing but the output mixer and the head (seed §3.1), so only there is the forward exact.
     """
-    from l47.gguf_io import open_gguf
+    from l47.model.gguf_io import open_gguf
 
     if str(device).startswith("mps"):
         # every vocabulary reduction and the WFLD algebra run in float64, which MPS lacks; a CPU-reduction path
@@ -157,3 +157,25 @@ def check_dump_dims(w: TailWeights, meta, where: str) -> None:
 def as_f32(x, device) -> torch.Tensor:
     """A copy of a (possibly read-only, memory-mapped) array as f32 on `device`."""
     return torch.tensor(np.asarray(x), dtype=torch.float32, device=device)
+
+
+def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
+    """Runtime value of the edited tensor in a bundle (full GGUF or overlay), same policy as the base."""
+    from l47.model.gguf_io import open_gguf
+
+    b = open_gguf(bundle_path)
+    if w.target not in b.tensors:
+        raise L47Error(bundle_path, f"tensor {w.target}", "present in the bundle", "missing")
+    from l47.model import names
+
+    claimed = b.kv.get(names.PROVENANCE_PREFIX + "base_sha256") or b.kv.get(names.PROVENANCE_PREFIX + "overlay_of")
+    if claimed and claimed != w.model_sha256:
+        raise L47Error(bundle_path, names.PROVENANCE_PREFIX + "base_sha256", f"the base {w.model_sha256[:16]}…",
+                       f"{str(claimed)[:16]}… (a bundle of another model)")
+    if b.info(w.target).ggml_type != w.target_type:
+        raise L47Error(bundle_path, f"tensor {w.target}", f"ggml type {w.target_type} (as in the base)",
+                       str(b.info(w.target).type_name))
+    W = runtime_tensor(b, w.target, w.policy, device)
+    if tuple(W.shape) != tuple(w.W_sd.shape):
+        raise L47Error(bundle_path, f"tensor {w.target}", f"shape {tuple(w.W_sd.shape)}", str(tuple(W.shape)))
+    return W, b.sha256()
