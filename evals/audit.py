@@ -30,39 +30,33 @@ import numpy as np
 from l47.model import names
 from l47.errors import L47Error
 from l47.evals import bars as B
-from l47.evals.metrics import (DocResult, collateral_figures, flip_figures, load_vocab, ordinary_figures,
-                               phrase_tuples_of, proxy_figures, score_document, slop_figures, special_mass_figures,
+from l47.evals.metrics import (DocResult, Scoring, collateral_figures, flip_figures, load_vocab, ordinary_figures,
+                               proxy_figures, score_document, slop_figures, special_mass_figures, top_k_of,
                                turn_end_figures)
+from l47.data.experiment import SCORED_SETS, SOLVER_SETS
 from l47.evals.penalty import DEFAULT_BIAS
 
 AUDIT_SCHEMA = "l47.audit/1"
-SCORED_SETS = ("heldout", "collateral_eval", "chat_heldout", "blind")  # + every kld.<domain>
-SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")
 CLAIM_TOL_ABS, CLAIM_TOL_REL = 1e-4, 1e-3
-# record claims (SolveRecord.claims, nested dicts flattened with ".") the audit re-derives -> definition;
-# `<phrase>` stands for any phrase. Claims not listed here are shown as not re-derived.
-CLAIM_KEYS = {
-    "dW_rel_norm": "‖ΔW‖/‖W‖ of the runtime weights after re-quantisation (alias dw_rel)",
-    "blocks_changed": "Q8_0 blocks of the target whose bytes differ from the base",
-    "train_p_rejected.before": "mean base p(rejected) at the record's slop positions (alias train_p_before)",
-    "train_p_rejected.after": "mean bundle p(rejected) at the record's slop positions (alias train_p_after)",
-    "train_p_rejected.n": "number of slop positions in the record (alias n_train_events)",
-    "train_p_rejected.per_phrase_before.<phrase>": "per phrase, at the record's slop positions",
-    "train_p_rejected.per_phrase_after.<phrase>": "per phrase, at the record's slop positions",
-    "dev_p_rejected.before": "mean base p(rejected) at dev events (alias dev_p_before)",
-    "dev_p_rejected.after": "mean bundle p(rejected) at dev events (alias dev_p_after)",
-    "dev_p_rejected.n": "number of dev events",
-    "dev_p_rejected.per_phrase_before.<phrase>": "per phrase, at dev events",
-    "dev_p_rejected.per_phrase_after.<phrase>": "per phrase, at dev events",
-    "background_kl_exact": "mean KL(base ‖ bundle) at the record's background positions (alias background_kl)",
-    "anchors.n": "number of anchor positions in the record",
-    "anchors.max_abs_dlogp_shipped": "max |Δlog p(target)| at the record's anchor positions",
-    "bundle_sha256": "sha256 of the bundle",
+# the record's claims (l47.data.record.SolveClaims field paths) the audit re-derives -> definition; a path of three
+# parts (per phrase) takes the definition of its first two. Claims not listed here are shown as not re-derived.
+CLAIM_DEFINITIONS = {
+    ("dW_rel_norm",): "‖ΔW‖/‖W‖ of the runtime weights after re-quantisation",
+    ("blocks_changed",): "Q8_0 blocks of the target whose bytes differ from the base",
+    ("train_p_rejected", "before"): "mean base p(rejected) at the record's slop positions",
+    ("train_p_rejected", "after"): "mean bundle p(rejected) at the record's slop positions",
+    ("train_p_rejected", "n"): "number of slop positions in the record",
+    ("train_p_rejected", "per_phrase_before"): "per phrase, at the record's slop positions",
+    ("train_p_rejected", "per_phrase_after"): "per phrase, at the record's slop positions",
+    ("dev_p_rejected", "before"): "mean base p(rejected) at dev events",
+    ("dev_p_rejected", "after"): "mean bundle p(rejected) at dev events",
+    ("dev_p_rejected", "n"): "number of dev events",
+    ("dev_p_rejected", "per_phrase_before"): "per phrase, at dev events",
+    ("dev_p_rejected", "per_phrase_after"): "per phrase, at dev events",
+    ("background_kl_exact",): "mean KL(base ‖ bundle) at the record's background positions",
+    ("anchors", "n"): "number of anchor positions in the record",
+    ("anchors", "max_abs_dlogp_shipped"): "max |Δlog p(target)| at the record's anchor positions",
 }
-CLAIM_ALIASES = {"dw_rel": "dW_rel_norm", "train_p_before": "train_p_rejected.before",
-                 "train_p_after": "train_p_rejected.after", "n_train_events": "train_p_rejected.n",
-                 "dev_p_before": "dev_p_rejected.before", "dev_p_after": "dev_p_rejected.after",
-                 "background_kl": "background_kl_exact"}
 
 
 @dataclass(frozen=True)
@@ -356,71 +350,64 @@ def record_figures(record, record_path, by_sha: dict[str, DocResult], doc_sets: 
             "background_positions": [(t.doc_sha256, t.pos) for t in bg]}
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
+def rederive_claims(record, rec: dict, by_sha: dict[str, DocResult], dev_events, bundle: dict):
+    """The SolveClaims the audit's own forward gives at the record's positions (None where it cannot)."""
+    from l47.data.record import TERM_ANCHOR, TERM_SLOP, AnchorClaims, PRejected, SolveClaims
+
+    def p_rejected(triples) -> PRejected | None:
+        got = [(ph, by_sha[s].ps, pos) for s, pos, ph in triples if s in by_sha and 0 <= pos < by_sha[s].T]
+        if not got:
+            return None
+        b = [(ph, math.exp(ps.base.logp_target[pos])) for ph, ps, pos in got]
+        a = [(ph, math.exp(ps.new.logp_target[pos])) for ph, ps, pos in got]
+
+        def per(xs):
+            return {ph: float(np.mean([x for p, x in xs if p == ph])) for ph in sorted({p for p, _ in xs})}
+
+        return PRejected(before=float(np.mean([x for _, x in b])), after=float(np.mean([x for _, x in a])),
+                         n=len(triples), per_phrase_before=per(b), per_phrase_after=per(a))
+
+    bg = [by_sha[s].ps.kld[p] for s, p in rec.get("background_positions", []) if s in by_sha and 0 <= p < by_sha[s].T]
+    an = [(t.doc_sha256, t.pos) for t in record.touched if t.term == TERM_ANCHOR]
+    dl = [abs(by_sha[s].ps.dlogp[p]) for s, p in an if s in by_sha and 0 <= p < by_sha[s].T]
+    return SolveClaims(
+        dW_rel_norm=bundle.get("dw_rel"), blocks_changed=bundle.get("blocks_changed"),
+        train_p_rejected=p_rejected([(t.doc_sha256, t.pos, t.phrase) for t in record.touched if t.term == TERM_SLOP]),
+        dev_p_rejected=p_rejected([(e.doc_sha256, e.pos, e.phrase) for e in dev_events]),
+        background_kl_exact=float(np.mean(bg)) if bg else None,
+        anchors=AnchorClaims(n=len(an), max_abs_dlogp_shipped=float(max(dl)) if dl else None) if an else None)
 
 
 def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, bundle: dict) -> dict:
-    """Re-derive the record's claimed figures with the audit's own forward (CLAIM_KEYS) and compare."""
-    from l47.data.record import TERM_ANCHOR, TERM_SLOP
+    """Re-derive the record's claimed figures with the audit's own forward (rederive_claims) and compare, field
+    by field (CLAIM_DEFINITIONS)."""
+    from l47.data.record import claim_name
 
     if record is None:
         return {"present": False, "why": rec.get("why")}
-
-    def p_at(pairs, new: bool) -> list[tuple[str, float]]:
-        out = []
-        for sha, pos, phrase in pairs:
-            d = by_sha.get(sha)
-            if d is not None and 0 <= pos < d.T:
-                out.append((phrase, math.exp((d.ps.new if new else d.ps.base).logp_target[pos])))
-        return out
-
-    mine: dict[str, object] = {"dW_rel_norm": bundle.get("dw_rel"), "blocks_changed": bundle.get("blocks_changed"),
-                               "bundle_sha256": bundle.get("sha256")}
-    groups = {"train_p_rejected": [(t.doc_sha256, t.pos, t.phrase) for t in record.touched if t.term == TERM_SLOP],
-              "dev_p_rejected": [(e.doc_sha256, e.pos, e.phrase) for e in dev_events]}
-    for g, pairs in groups.items():
-        b, a = p_at(pairs, False), p_at(pairs, True)
-        if b:
-            mine[f"{g}.before"] = float(np.mean([x for _, x in b]))
-            mine[f"{g}.after"] = float(np.mean([x for _, x in a]))
-            mine[f"{g}.n"] = float(len(pairs))
-            for ph in {p for p, _ in b}:
-                mine[f"{g}.per_phrase_before.{ph}"] = float(np.mean([x for p, x in b if p == ph]))
-                mine[f"{g}.per_phrase_after.{ph}"] = float(np.mean([x for p, x in a if p == ph]))
-    bg = [by_sha[s].ps.kld[p] for s, p in rec.get("background_positions", []) if s in by_sha and 0 <= p < by_sha[s].T]
-    if bg:
-        mine["background_kl_exact"] = float(np.mean(bg))
-    an = [(t.doc_sha256, t.pos) for t in record.touched if t.term == TERM_ANCHOR]
-    dl = [abs(by_sha[s].ps.dlogp[p]) for s, p in an if s in by_sha and 0 <= p < by_sha[s].T]
-    if an:
-        mine["anchors.n"] = float(len(an))
-        mine["anchors.max_abs_dlogp_shipped"] = float(max(dl)) if dl else None
+    mine = dict(rederive_claims(record, rec, by_sha, dev_events, bundle).flat())
     compared, mism, not_re = {}, [], []
-    for k0, v in sorted(_flatten(record.claims).items()):
-        k = CLAIM_ALIASES.get(k0, k0)
-        a = mine.get(k)
+    for path, v in sorted(record.claims.flat(), key=lambda kv: claim_name(kv[0])):
+        name, a = claim_name(path), mine.get(path)
         if a is None or isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            not_re.append(k0)
+            not_re.append(name)
             continue
         if isinstance(a, str) or isinstance(v, str):
             ok = str(a) == str(v)
         else:
             ok = abs(float(v) - float(a)) <= CLAIM_TOL_ABS + CLAIM_TOL_REL * abs(float(a))
-        generic = k.split(".per_phrase_")[0] + (".per_phrase_" + k.split(".per_phrase_")[1].split(".")[0] + ".<phrase>"
-                                                if ".per_phrase_" in k else "")
-        compared[k0] = {"claimed": v, "rederived": a, "ok": ok,
-                        "definition": CLAIM_KEYS.get(generic, CLAIM_KEYS.get(k, ""))}
+        definition = CLAIM_DEFINITIONS.get(path) or CLAIM_DEFINITIONS.get(path[:2], "")
+        compared[name] = {"claimed": v, "rederived": a, "ok": ok, "definition": definition}
         if not ok:
-            mism.append(k0)
-    # the base p each record term claims at its position
+            mism.append(name)
+    mism += _base_p_mismatches(record, by_sha)
+    rederived = {**{claim_name(p): v for p, v in mine.items()}, "bundle_sha256": bundle.get("sha256")}
+    return {"present": True, "compared": compared, "mismatched": mism, "not_rederived": not_re,
+            "rederived": rederived}
+
+
+def _base_p_mismatches(record, by_sha: dict[str, DocResult]) -> list[str]:
+    """The base p each record term claims at its position, against the audit's base pass."""
     bad_p = 0
     for t in record.touched:
         if t.base_p is None or t.doc_sha256 not in by_sha:
@@ -430,16 +417,14 @@ def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, 
             p = math.exp(d.ps.base.logp_target[t.pos])
             if abs(p - t.base_p) > CLAIM_TOL_ABS + CLAIM_TOL_REL * p:
                 bad_p += 1
-    if bad_p:
-        mism.append(f"touched.base_p ({bad_p} positions)")
-    return {"present": True, "compared": compared, "mismatched": mism, "not_rederived": not_re, "rederived": mine}
+    return [f"touched.base_p ({bad_p} positions)"] if bad_p else []
 
 
 # ----------------------------------------------------------------------------------------------------------
 # engine-level checks
 
 
-def _engine_figures(args, w, W_new, by_sha: dict[str, DocResult], doc_paths: dict[str, str], device) -> dict:
+def _engine_figures(args, w, by_sha: dict[str, DocResult], doc_paths: dict[str, str]) -> dict:
     """Edited-engine dumps (made by the engine running the transplanted bundle) matched to experiment documents
     by token sequence: their log p vs the tail forward's edited prediction, and engine-level KLD where both
     dumps hold ref_logits, beside the floor KL(engine base ‖ exact forward base)."""
@@ -627,209 +612,294 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers: list[Path], special_
 # evidence for the bars: the dev audit and the blind sign-off
 
 
-def _dev_evidence(args, exp, sets_rep, record, rpath, accepted, pts, w, W_new, doc_paths, *, th, bundle, by_sha,
-                  vocab, special_ids, sims, kld, proxy, flips, turn_ends, pen_fig) -> tuple[B.Evidence, dict]:
-    heldout = list(sets_rep.heldout_events())
-    chat_ho = [d for d in accepted if d.set == "chat_heldout"]
-    scored_shas, solver_shas = {}, {}
-    for dr in sets_rep.docs:
+@dataclass
+class SharedFigures:
+    """Figures both modes report, from the scored documents."""
+
+    kld: dict  # set -> KLD statistics
+    proxy: dict
+    flips: dict
+    turn_ends: dict
+    penalty: dict
+    sims: dict  # doc sha256 -> {"alone", "stacked"} penalty simulations
+
+
+def shared_figures(ctx: AuditContext) -> SharedFigures:
+    from l47.evals.kld_stats import kld_stats_of_pairs
+
+    accepted, th = ctx.accepted, ctx.th
+    kld = {}
+    for s in dict.fromkeys(d.set for d in accepted):
+        st = kld_stats_of_pairs([d.ps for d in accepted if d.set == s])
+        kld[s] = st.to_dict() if st else None
+    pen_fig, sims = _penalty_figures(ctx.spec, accepted, ctx.vocab)
+    return SharedFigures(kld=kld, proxy=proxy_figures(accepted, ctx.w.V, th.ce_proxy_frac, th.zero_proxy_tol),
+                         flips=flip_figures(accepted, ctx.vocab, ctx.special_ids),
+                         turn_ends=turn_end_figures(accepted, ctx.special_ids), penalty=pen_fig, sims=sims)
+
+
+def _disjointness_shas(ctx: AuditContext) -> tuple[dict[str, str], dict[str, str]]:
+    """(scored doc sha -> set, solver doc sha -> set) of the experiment's documents."""
+    scored, solver = {}, {}
+    for dr in ctx.sets_rep.docs:
         if dr.set in SCORED_SETS or dr.set.startswith("kld."):
-            scored_shas.setdefault(dr.sha256, dr.set)
+            scored.setdefault(dr.sha256, dr.set)
         elif dr.set in SOLVER_SETS:
-            solver_shas.setdefault(dr.sha256, dr.set)
-    for p in exp.sets.get("blind", ()):
-        scored_shas.setdefault(_file_sha(p), "blind")
+            solver.setdefault(dr.sha256, dr.set)
+    for p in ctx.exp.sets.get("blind", ()):
+        scored.setdefault(_file_sha(p), "blind")
+    return scored, solver
+
+
+def dev_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict]:
+    """The dev audit's evidence for the bars, and the report's figures."""
+    sets_rep, by_sha, vocab, special_ids, th = ctx.sets_rep, ctx.by_sha, ctx.vocab, ctx.special_ids, ctx.th
+    scored_shas, solver_shas = _disjointness_shas(ctx)
     doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
                 for dr in sets_rep.docs}
-    rec = record_figures(record, rpath, by_sha, doc_sets, pts, th.non_event_p, vocab, scored_shas, solver_shas)
+    rec = record_figures(ctx.record, ctx.record_path, by_sha, doc_sets, ctx.pts, th.non_event_p, vocab, scored_shas,
+                         solver_shas)
     n_ev = {s: sum(1 for e in sets_rep.events if e.set == s) for s in ("train", "dev", "heldout")}
     tot = sum(n_ev.values())
     split = {"events": n_ev, "heldout_frac": (n_ev["heldout"] / tot) if tot else None, "split": sets_rep.split}
-    slop = slop_figures(heldout, by_sha, vocab, special_ids, sims)
+    slop = slop_figures(list(sets_rep.heldout_events()), by_sha, vocab, special_ids, sh.sims)
     coll = collateral_figures([c for c in sets_rep.collateral if c.set == "collateral_eval"], by_sha, vocab,
                               th.collateral_below)
-    claims = claims_figures(record, rec, by_sha, [e for e in sets_rep.events if e.set == "dev"], bundle)
-    engine = _engine_figures(args, w, W_new, by_sha, doc_paths, args.device)
+    claims = claims_figures(ctx.record, rec, by_sha, [e for e in sets_rep.events if e.set == "dev"], ctx.bundle)
+    engine = _engine_figures(ctx.args, ctx.w, by_sha, ctx.doc_paths)
     special = special_mass_figures(sets_rep.events, by_sha)
-    ordinary = ordinary_figures(chat_ho, special_ids)
-    ev = B.Evidence(thresholds=th, mode=B.MODE_DEV, bundle=bundle, record=rec, proxy=proxy, split=split, slop=slop,
-                    claims=claims, collateral=coll, kld=kld, engine=engine, flips=flips, turn_ends=turn_ends,
-                    special_mass=special, ordinary=ordinary)
-    figures = {"bundle": bundle, "proxy": proxy, "record": rec, "split": split, "claims": claims,
-               "slop": {"heldout": slop, "per_set": _slop_per_set(sets_rep.events, by_sha, vocab, special_ids, sims)},
+    ordinary = ordinary_figures([d for d in ctx.accepted if d.set == "chat_heldout"], special_ids)
+    ev = B.Evidence(thresholds=th, mode=B.MODE_DEV, bundle=ctx.bundle, record=rec, proxy=sh.proxy, split=split,
+                    slop=slop, claims=claims, collateral=coll, kld=sh.kld, engine=engine, flips=sh.flips,
+                    turn_ends=sh.turn_ends, special_mass=special, ordinary=ordinary)
+    figures = {"bundle": ctx.bundle, "proxy": sh.proxy, "record": rec, "split": split, "claims": claims,
+               "slop": {"heldout": slop, "per_set": _slop_per_set(sets_rep.events, by_sha, vocab, special_ids,
+                                                                  sh.sims)},
                "non_events": [{"set": e.set, "doc": e.doc, "pos": e.pos, "phrase": e.phrase, "p_base": e.p_base}
                               for e in sets_rep.non_events],
-               "collateral": coll, "kld": kld, "engine": engine,
-               "chat": {"flips": flips, "turn_ends": turn_ends, "special_mass": special, "ordinary": ordinary},
-               "penalty": pen_fig, "sets_warnings": list(sets_rep.warnings)}
+               "collateral": coll, "kld": sh.kld, "engine": engine,
+               "chat": {"flips": sh.flips, "turn_ends": sh.turn_ends, "special_mass": special, "ordinary": ordinary},
+               "penalty": sh.penalty, "sets_warnings": list(sets_rep.warnings)}
     return ev, figures
 
 
-def _blind_evidence(d0: DocResult, pts, dev_rep, bsha, blind_sha, ledgers, *, th, bundle, by_sha, vocab,
-                    special_ids, sims, kld, proxy, flips, turn_ends, pen_fig) -> tuple[B.Evidence, dict]:
-    from l47.dumps.select import find_events
+def blind_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict]:
+    """The blind sign-off's evidence: the blind document's events (base p from this audit's one pass), its
+    figures beside the dev report's."""
     from l47.data.sets import EventRecord
+    from l47.dumps.select import find_events
 
+    d0, th, dev_rep = ctx.docs[0], ctx.th, ctx.dev_rep
     evs = []
-    for e in find_events(d0.tokens, pts, d0.role):
+    for e in find_events(d0.tokens, ctx.pts, d0.role):
         p = math.exp(d0.ps.base.logp_target[e.pos])
         if p >= th.non_event_p:
             evs.append(EventRecord("blind", d0.path, d0.sha256, e.pos, e.phrase, tuple(e.tuple), e.final, p,
                                    names.ROLES[e.role], e.in_context_copy))
-    slop = slop_figures(evs, by_sha, vocab, special_ids, sims)
-    ordinary = ordinary_figures([d0], special_ids)
+    slop = slop_figures(evs, ctx.by_sha, ctx.vocab, ctx.special_ids, sh.sims)
+    ordinary = ordinary_figures([d0], ctx.special_ids)
     dev_ho = dev_rep["slop"]["heldout"]
     dev_after = dev_ho.get("p_after")
-    blind = {"bundle_sha256": bsha, "dev_bundle_sha256": dev_rep["inputs"]["bundle"]["sha256"],
-             "doc_sha256": blind_sha, "never_scored": True, "ledgers": [str(p) for p in ledgers],
-             "slop": slop, "flips": flips, "turn_ends": turn_ends, "special_mass": special_mass_figures(evs, by_sha),
-             "ordinary": ordinary, "dev_residual_ratio": dev_ho["residual_ratio"],
+    blind = {"bundle_sha256": ctx.bsha, "dev_bundle_sha256": dev_rep["inputs"]["bundle"]["sha256"],
+             "doc_sha256": ctx.blind_sha, "never_scored": True, "ledgers": [str(p) for p in ctx.ledgers],
+             "slop": slop, "flips": sh.flips, "turn_ends": sh.turn_ends,
+             "special_mass": special_mass_figures(evs, ctx.by_sha), "ordinary": ordinary,
+             "dev_residual_ratio": dev_ho["residual_ratio"],
              "absolute_residual_vs_dev": (slop["p_after"] / dev_after) if slop.get("p_after") and dev_after else None,
-             "comparisons": _blind_comparisons(slop, ordinary, flips, turn_ends, dev_rep, th)}
-    ev = B.Evidence(thresholds=th, mode=B.MODE_BLIND, bundle=bundle, proxy=proxy, blind=blind)
-    return ev, {"bundle": bundle, "blind": blind, "kld": kld, "proxy": proxy, "penalty": pen_fig}
+             "comparisons": _blind_comparisons(slop, ordinary, sh.flips, sh.turn_ends, dev_rep, th)}
+    ev = B.Evidence(thresholds=th, mode=B.MODE_BLIND, bundle=ctx.bundle, proxy=sh.proxy, blind=blind)
+    return ev, {"bundle": ctx.bundle, "blind": blind, "kld": sh.kld, "proxy": sh.proxy, "penalty": sh.penalty}
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the audit
+# the context: every input checked, every document scored once
 
 
-def run_audit(args: AuditArgs, console=None) -> AuditReport:
-    """Audit a bundle against its base on the experiment's documents (or sign off on a blind document).
-    Returns the report; `exit_code` is 0 only when every applicable bar passes. Bad input raises L47Error
-    before any report file is written."""
-    from l47.dumps import read_dump
-    from l47.dumps.select import phrases_to_tuples
-    from l47.data.experiment import load_experiment
-    from l47.model.gguf_io import open_gguf
-    from l47.data.ledger import LEDGER_NAME, append_ledger, read_ledger
-    from l47.data.record import read_record, record_path_for
-    from l47.model.weights import edited_weight
-    from l47.evals.kld_stats import kld_stats_of_pairs
-    from l47.evals.penalty import make_spec
-    from l47.data.sets import build_sets
-    from l47.model.weights import check_dump_dims, load_tail_weights
-    from l47.evals.report import write_reports
+@dataclass
+class AuditContext:
+    """What the evidence functions read, computed once: inputs (checked), runtime and bundle weights, the
+    record, the vocabulary and phrases, and every document's base and bundle head results (one paired pass per
+    document, shared with the sets report)."""
 
-    out = Path(args.out_dir)
-    blind_mode = args.blind is not None
-    mode = B.MODE_BLIND if blind_mode else B.MODE_DEV
-    _check_out_dir(out)
-    exp = load_experiment(args.experiment)
-    th = exp.thresholds
+    args: AuditArgs
+    mode: str
+    exp: object  # l47.data.experiment.Experiment
+    ledgers: list[Path]  # this audit's ledger first; with --blind also the dev report's
+    w: object  # TailWeights (base)
+    W_new: object  # [n, f] torch f32: the bundle's W_sd
+    bsha: str  # bundle sha256
+    record: object  # l47.data.record.SolveRecord | None
+    record_path: Path
+    bundle: dict  # bundle_figures
+    vocab: object
+    pts: list  # [PhraseTuples]
+    spec: object  # l47.evals.penalty.PenaltySpec
+    notes: list[str] = field(default_factory=list)
+    dev_rep: dict | None = None  # blind: the dev audit's report
+    blind_sha: str | None = None
+    sets_rep: object = None  # dev: the SetsReport (blind documents excluded)
+    docs: list[DocResult] = field(default_factory=list)
+    doc_paths: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def th(self):
+        return self.exp.thresholds
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return dict(self.vocab.special_ids)
+
+    @property
+    def finals(self) -> list[int]:
+        return sorted({int(t[-1]) for pt in self.pts for t in pt.tuples})
+
+    @property
+    def by_sha(self) -> dict[str, DocResult]:
+        out: dict[str, DocResult] = {}
+        for d in self.docs:
+            out.setdefault(d.sha256, d)
+        return out
+
+    @property
+    def accepted(self) -> list[DocResult]:
+        return [d for d in self.docs if not d.refused]
+
+
+def _ledgers(args: AuditArgs, out: Path) -> list[Path]:
+    """This audit's ledger, and with --blind the dev report's too (a blind document scored once is refused
+    everywhere after); each read now, so a corrupt ledger is refused before any scoring."""
+    from l47.data.ledger import LEDGER_NAME, read_ledger
+
     ledger = Path(args.ledger) if args.ledger is not None else out / LEDGER_NAME
-    read_ledger(ledger)  # a corrupt ledger is refused now, not after the scoring
+    read_ledger(ledger)
+    ledgers = [ledger]
+    if args.blind is not None and args.dev_report is not None and Path(args.dev_report).is_file():
+        try:
+            dl = json.loads(Path(args.dev_report).read_text()).get("inputs", {}).get("ledger")
+        except ValueError:
+            dl = None
+        if dl and Path(dl).resolve() != ledger.resolve():
+            read_ledger(Path(dl))
+            ledgers.append(Path(dl))
+    return ledgers
 
+
+def load_context(args: AuditArgs) -> AuditContext:
+    """Check every input — output folder, ledgers, base / bundle / record of one model, blind rules — before
+    anything is scored."""
+    from l47.data.experiment import load_experiment
+    from l47.data.record import read_record, record_path_for
+    from l47.dumps.select import phrases_to_tuples
+    from l47.evals.penalty import make_spec
+    from l47.model.gguf_io import open_gguf
+    from l47.model.weights import edited_weight, load_tail_weights
+
+    _check_out_dir(Path(args.out_dir))
+    exp = load_experiment(args.experiment)
+    ledgers = _ledgers(args, Path(args.out_dir))
     base_g, bundle_g = open_gguf(args.base), open_gguf(args.bundle)
     rpath = Path(args.record) if args.record is not None else record_path_for(args.bundle)
     record = read_record(rpath) if rpath.is_file() else None
     w = load_tail_weights(base_g, policy=args.policy, device=args.device)
     refuse_other_model(base_g, bundle_g, w.target, record)
     W_new, bsha = edited_weight(w, args.bundle, args.device)
-    bundle = bundle_figures(base_g, bundle_g, w, W_new, record)
     vocab = load_vocab(exp, base_g, w.V)
-    notes: list[str] = []
+    pts, _ = phrases_to_tuples(exp.phrases, vocab)
+    ctx = AuditContext(args=args, mode=B.MODE_BLIND if args.blind is not None else B.MODE_DEV, exp=exp,
+                       ledgers=ledgers, w=w, W_new=W_new, bsha=bsha, record=record, record_path=rpath,
+                       bundle=bundle_figures(base_g, bundle_g, w, W_new, record), vocab=vocab, pts=pts,
+                       spec=make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name))
     if exp.policy != args.policy:
-        notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
+        ctx.notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
+    if ctx.mode == B.MODE_BLIND:
+        ctx.dev_rep, ctx.blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids)
+    return ctx
 
-    dev_rep, blind_sha, ledgers = None, None, [ledger]
-    if blind_mode:
-        # the dev report's ledger too: a blind document scored once is refused everywhere after
-        dev_ledger = None
-        if args.dev_report is not None and Path(args.dev_report).is_file():
-            try:
-                dl = json.loads(Path(args.dev_report).read_text()).get("inputs", {}).get("ledger")
-                dev_ledger = Path(dl) if dl else None
-            except ValueError:
-                dev_ledger = None
-        if dev_ledger is not None and dev_ledger.resolve() != ledger.resolve():
-            read_ledger(dev_ledger)
-            ledgers.append(dev_ledger)
-        dev_rep, blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids)
 
-    # --- sets: events, collateral, splits (the experiment's own selection rules; blind documents untouched)
-    exp_nb = replace(exp, sets={k: v for k, v in exp.sets.items() if k != "blind"})
-    if blind_mode:
-        pts, _ = phrases_to_tuples(exp.phrases, vocab)
-        sets_rep = None
-    else:
-        sets_rep = build_sets(exp_nb, w, vocab=vocab, device=args.device)
-        pts = phrase_tuples_of(sets_rep)
-    finals = sorted({int(t[-1]) for pt in pts for t in pt.tuples})
-    special_ids = dict(vocab.special_ids)
-    spec = make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name)
+def score_documents(ctx: AuditContext) -> None:
+    """One paired (base, bundle) head pass per document. Dev mode: the sets report (events, collateral,
+    guards, split; blind documents untouched) takes its base statistics from the same passes."""
+    from l47.data.sets import build_sets
+    from l47.dumps import read_dump
+    from l47.model.weights import check_dump_dims
 
-    # --- score documents
-    docs: list[DocResult] = []
-    doc_paths: dict[str, str] = {}
-    if blind_mode:
-        d = read_dump(args.blind)
-        check_dump_dims(w, d.meta, str(args.blind))
-        docs.append(score_document(w, W_new, d, "blind", pts, special_ids, finals))
-        doc_paths[d.sha256] = str(args.blind)
-    else:
-        for dr in sets_rep.docs:
-            d = read_dump(dr.path)
-            check_dump_dims(w, d.meta, dr.path)
-            docs.append(score_document(w, W_new, d, dr.set, pts, special_ids, finals, dr.refused, dr.reasons))
-            doc_paths[d.sha256] = dr.path
-            if d.meta.model not in (w.model_sha256,) and not str(d.meta.model).startswith("hf:"):
-                notes.append(f"{dr.path}: dumped from model {str(d.meta.model)[:12]}…, audited under "
+    sc = Scoring(ctx.w, ctx.W_new, ctx.pts, ctx.special_ids, ctx.finals)
+    if ctx.mode == B.MODE_BLIND:
+        d = read_dump(ctx.args.blind)
+        check_dump_dims(ctx.w, d.meta, str(ctx.args.blind))
+        ctx.docs.append(score_document(sc, d, "blind"))
+        ctx.doc_paths[d.sha256] = str(ctx.args.blind)
+        return
+    passes: dict[str, tuple] = {}  # path -> (dump, PairedStats of max(sets' k, sc.topk) top-k columns)
+
+    def base_stats(dump, k: int):
+        ps = sc.pair(dump, max(k, sc.topk))
+        passes[str(dump.path)] = (dump, ps)
+        return top_k_of(ps.base, k)
+
+    exp_nb = replace(ctx.exp, sets={k: v for k, v in ctx.exp.sets.items() if k != "blind"})
+    ctx.sets_rep = build_sets(exp_nb, ctx.w, vocab=ctx.vocab, device=ctx.args.device, base_stats=base_stats)
+    w = ctx.w
+    for dr in ctx.sets_rep.docs:
+        d, ps = passes.pop(dr.path, (None, None))
+        d = d if d is not None else read_dump(dr.path)
+        check_dump_dims(w, d.meta, dr.path)
+        ctx.docs.append(score_document(sc, d, dr.set, dr.refused, dr.reasons, ps=ps))
+        ctx.doc_paths[d.sha256] = dr.path
+        if d.meta.model not in (w.model_sha256,) and not str(d.meta.model).startswith("hf:"):
+            ctx.notes.append(f"{dr.path}: dumped from model {str(d.meta.model)[:12]}…, audited under "
                              f"{w.model_sha256[:12]}…")
-    by_sha: dict[str, DocResult] = {}
-    for d in docs:
-        by_sha.setdefault(d.sha256, d)
-    accepted = [d for d in docs if not d.refused]
-    for d in docs:
+    for d in ctx.docs:
         if not d.verified:
-            notes.append(f"{d.path}: unverified (no ref_logp in the dump: the zero-proxy check was not run)")
+            ctx.notes.append(f"{d.path}: unverified (no ref_logp in the dump: the zero-proxy check was not run)")
 
-    # --- figures
-    kld = {}
-    for s in dict.fromkeys(d.set for d in accepted):
-        st = kld_stats_of_pairs([d.ps for d in accepted if d.set == s])
-        kld[s] = st.to_dict() if st else None
-    proxy = proxy_figures(accepted, w.V, th.ce_proxy_frac, th.zero_proxy_tol)
-    flips = flip_figures(accepted, vocab, special_ids)
-    turn_ends = turn_end_figures(accepted, special_ids)
-    pen_fig, sims = _penalty_figures(spec, accepted, vocab)
 
-    common = dict(th=th, bundle=bundle, by_sha=by_sha, vocab=vocab, special_ids=special_ids, sims=sims, kld=kld,
-                  proxy=proxy, flips=flips, turn_ends=turn_ends, pen_fig=pen_fig)
-    if blind_mode:
-        ev, figures = _blind_evidence(docs[0], pts, dev_rep, bsha, blind_sha, ledgers, **common)
-    else:
-        ev, figures = _dev_evidence(args, exp, sets_rep, record, rpath, accepted, pts, w, W_new, doc_paths, **common)
-    bar_list = B.evaluate(ev, mode)
-    passed = all(b.passed for b in bar_list)
+# ----------------------------------------------------------------------------------------------------------
+# the report and the driver
 
-    # --- ledger: every document scored here, against this bundle (the blind one is burned from now on)
-    for lp in ledgers:
-        append_ledger(lp, [(d.sha256, bsha) for d in docs], "audit")
 
+def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: list) -> AuditReport:
+    """Append every scored document to the ledger(s) (the blind one is burned from here on), then write
+    report.json / report.md / positions.tsv / plots (staged, then moved in)."""
+    from l47.data.ledger import append_ledger
+    from l47.evals.report import write_reports
+
+    args, passed = ctx.args, all(b.passed for b in bar_list)
+    for lp in ctx.ledgers:
+        append_ledger(lp, [(d.sha256, ctx.bsha) for d in ctx.docs], "audit")
+    blind = ctx.mode == B.MODE_BLIND
     inputs = {
-        "bundle": {"path": str(args.bundle), "sha256": bsha},
-        "base": {"path": str(args.base), "sha256": w.model_sha256},
+        "bundle": {"path": str(args.bundle), "sha256": ctx.bsha},
+        "base": {"path": str(args.base), "sha256": ctx.w.model_sha256},
         "experiment": {"path": str(args.experiment), "sha256": _file_sha(args.experiment)},
-        "record": {"path": str(rpath), "sha256": _file_sha(rpath)} if record is not None else None,
-        "dev_report": {"path": str(args.dev_report), "sha256": _file_sha(args.dev_report)} if dev_rep else None,
-        "blind": {"path": str(args.blind), "sha256": blind_sha} if blind_mode else None,
+        "record": {"path": str(ctx.record_path), "sha256": _file_sha(ctx.record_path)} if ctx.record else None,
+        "dev_report": {"path": str(args.dev_report), "sha256": _file_sha(args.dev_report)} if ctx.dev_rep else None,
+        "blind": {"path": str(args.blind), "sha256": ctx.blind_sha} if blind else None,
         "engine_dumps": [{"path": str(p), "sha256": _file_sha(p)} for p in args.engine_dumps],
         "documents": [{"path": d.path, "sha256": d.sha256, "set": d.set, "doc_id": d.doc_id, "T": d.T,
-                       "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in docs],
-        "ledger": str(ledger), "policy": args.policy, "device": args.device, "vocab": vocab.name,
+                       "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in ctx.docs],
+        "ledger": str(ctx.ledgers[0]), "policy": args.policy, "device": args.device, "vocab": ctx.vocab.name,
     }
     report = clean({
-        "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": mode, "passed": passed,
+        "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": ctx.mode, "passed": passed,
         "exit_code": 0 if passed else 1, "inputs": inputs,
-        "thresholds": {**th.to_dict(), "penalty_bias": args.penalty_bias},
-        "bars": [b.to_dict() for b in bar_list], **figures, "notes": notes,
+        "thresholds": {**ctx.th.to_dict(), "penalty_bias": args.penalty_bias},
+        "bars": [b.to_dict() for b in bar_list], **figures, "notes": ctx.notes,
     })
-    files = write_reports(out, report, docs, vocab, special_ids, sims, plots=args.plots)
-    res = AuditReport(passed, 0 if passed else 1, mode, tuple(bar_list), str(out), files, bsha, report)
-    if console is not None:
-        print_summary(res, console)
-    return res
+    out = Path(args.out_dir)
+    files = write_reports(out, report, ctx.docs, ctx.vocab, ctx.special_ids, sh.sims, plots=args.plots)
+    return AuditReport(passed, 0 if passed else 1, ctx.mode, tuple(bar_list), str(out), files, ctx.bsha, report)
+
+
+def run_audit(args: AuditArgs) -> AuditReport:
+    """Audit a bundle against its base on the experiment's documents (or sign off on a blind document).
+    Returns the report; `exit_code` is 0 only when every applicable bar passes. Bad input raises L47Error
+    before any report file is written. Prints nothing (l47.app.audit_view renders the summary)."""
+    ctx = load_context(args)
+    score_documents(ctx)
+    sh = shared_figures(ctx)
+    ev, figures = (blind_evidence if ctx.mode == B.MODE_BLIND else dev_evidence)(ctx, sh)
+    return write_report(ctx, sh, figures, B.evaluate(ev, ctx.mode))
 
 
 def _slop_per_set(events, by_sha, vocab, special_ids, sims) -> dict:
@@ -864,36 +934,3 @@ def _blind_comparisons(slop, ordinary, flips, turn_ends, dev, th) -> list[dict]:
         row("(f) Δlog p(<|im_end|>) at turn ends", turn_ends.get("mean_dlogp"),
             dchat.get("turn_ends", {}).get("mean_dlogp"), f"bar ≥ {th.im_end_dlogp:g}"),
     ]
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-    return str(v)
-
-
-def print_summary(res: AuditReport, console) -> None:
-    """One screen: PASS/FAIL per bar with the figure behind it."""
-    from rich.table import Table
-
-    r = res.report
-    t = Table(title=f"l47 audit ({res.mode}) — bundle {res.bundle_sha256[:12]}… — "
-                    + ("[bold green]PASS[/]" if res.passed else "[bold red]FAIL[/]"), show_lines=False)
-    for c in ("bar", "value", "", "threshold", "status"):
-        t.add_column(c, justify="left" if c in ("bar", "status") else "right")
-    for b in res.bars:
-        st = {"PASS": "[green]PASS[/]", "FAIL": "[bold red]FAIL[/]", "n/a": "[dim]n/a[/]"}[b.status]
-        t.add_row(b.name, _fmt(b.value), b.direction, _fmt(b.threshold), st)
-    console.print(t)
-    ho = (r.get("slop") or {}).get("heldout") if res.mode == B.MODE_DEV else (r.get("blind") or {}).get("slop")
-    if ho and ho.get("n"):
-        console.print(f"slop p(rejected) {ho['p_before']:.4f} → {ho['p_after']:.4f} over {ho['n']} events "
-                      f"({100 * (ho.get('reduction') or 0):.1f} % reduction)", highlight=False)
-    for b in res.bars:
-        if not b.passed and "why" in b.details:
-            console.print(f"[red]{b.name}[/]: {b.details['why']}", highlight=False)
-    for n in (r.get("notes") or [])[:5]:
-        console.print(f"[yellow]note:[/] {n}", highlight=False)
-    console.print(f"report: {res.files.get('report.md')}  (json, tsv, plots in {res.out_dir})", highlight=False)

@@ -96,21 +96,52 @@ class DocResult:
         return self.chat.n_turns > 0
 
 
-def score_document(w, W_new, dump, set_name: str, phrase_tuples, special_ids: Mapping[str, int],
-                   finals: Sequence[int], refused: bool = False, reasons: tuple[str, ...] = ()) -> DocResult:
-    """Paired exact scoring of one dump (base = the model's W_sd, new = W_new)."""
-    from l47.dumps.select import chat_structure, find_events
-    from l47.tail.forward import score_pair
+@dataclass(frozen=True)
+class Scoring:
+    """What every document of an audit is scored with: the runtime weights, the edited W_sd (the bundle's
+    values), the banned tuples and the token sets whose log p is kept per position."""
 
-    spec = sorted(set(int(i) for i in special_ids.values()))
-    topk = max(5, len(finals) + 2)  # the penalty simulation's argmax is exact when k > |penalised set|
-    ps = score_pair(w, dump, W_new, token_ids={SPECIAL: spec, FINALS: list(finals)}, topk=topk)
+    w: object  # l47.model.weights.TailWeights
+    W_new: object  # [n, f] torch f32: the bundle's W_sd
+    phrase_tuples: Sequence  # [PhraseTuples]
+    special_ids: Mapping[str, int]
+    finals: Sequence[int]
+
+    @property
+    def topk(self) -> int:
+        return max(5, len(self.finals) + 2)  # the penalty simulation's argmax is exact when k > |penalised set|
+
+    def pair(self, dump, topk: int | None = None):
+        """One paired (base, bundle) streamed head pass over the dump -> PairedStats with `topk` columns."""
+        from l47.tail.forward import score_pair
+
+        spec = sorted(set(int(i) for i in self.special_ids.values()))
+        return score_pair(self.w, dump, self.W_new, token_ids={SPECIAL: spec, FINALS: list(self.finals)},
+                          topk=topk or self.topk)
+
+
+def top_k_of(h, k: int):
+    """The first k top-k columns of a HeadStats (the top-k of a wider pass, same order)."""
+    from dataclasses import replace
+
+    return h if h.top_ids.shape[1] <= k else replace(h, top_ids=h.top_ids[:, :k], top_logp=h.top_logp[:, :k])
+
+
+def score_document(sc: Scoring, dump, set_name: str, refused: bool = False, reasons: tuple[str, ...] = (),
+                   ps=None) -> DocResult:
+    """Paired exact scoring of one dump (base = the model's W_sd, new = sc.W_new); `ps`: the PairedStats of a
+    pass already made (any top-k width >= sc.topk), else one pass here."""
+    from dataclasses import replace
+
+    from l47.dumps.select import chat_structure, find_events
+
+    ps = sc.pair(dump) if ps is None else replace(ps, base=top_k_of(ps.base, sc.topk), new=top_k_of(ps.new, sc.topk))
     tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
     role = np.asarray(dump.role).astype(np.uint8)  # [T]
     rows = np.zeros(tokens.shape[0] - 1, dtype=bool)  # [T]
-    for e in find_events(tokens, phrase_tuples, role):
+    for e in find_events(tokens, sc.phrase_tuples, role):
         rows[e.pos] = True
-    chat = chat_structure(tokens, role, special_ids)
+    chat = chat_structure(tokens, role, sc.special_ids)
     ref = None if dump.ref_logp is None else np.asarray(dump.ref_logp, dtype=np.float64)
     return DocResult(set_name, str(dump.path), dump.sha256, dump.meta.doc_id, tokens, role, ps, chat, rows,
                      dump.verified, ref, refused, tuple(reasons), dump.meta)

@@ -1,13 +1,23 @@
 """`l47 solve`: experiment -> sets -> WFLD or FTPO -> re-quantised Q8_0 bundle + solve record.
 
+    run_solve = plan_solve        load the experiment, base model, weights, config and sets report; refuse bad input
+              → select_positions  what the solve touches (l47.solvers.select: events, anchors, turn ends, background)
+              → build_problem     the layer-L batches and per-event token terms
+              → solve_problem     WFLD or FTPO -> float ΔW
+              → requantize        ΔW -> Q8_0 bytes of the target and their runtime values (what ships)
+              → measure           every claimed figure on the re-quantised weights (l47.data.record.SolveClaims)
+              → write_outputs     bundle (or overlay), solve record, ledger
+
 Every figure it reports is computed by the exact tail forward on the re-quantised weights (as shipped). The
-same command on the same inputs writes the same bytes (no timestamps; deterministic solvers).
+same command on the same inputs writes the same bytes (no timestamps; deterministic solvers). The library
+prints nothing: messages go to `log(str)`, FTPO steps to `progress(dict)` (l47.app renders them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,20 +25,18 @@ import numpy as np
 import torch
 
 import l47
-from l47.model import names
 from l47.data import record as rec
 from l47.errors import L47Error
 from l47.fileio import sha256_file, write_text_atomic
-from l47.tail.forward import paired_stats
-from l47.model.weights import load_tail_weights
-from l47.solvers.batch import EventTerms, Batch, batch_mix, gather, pick_chosen
-from l47.solvers.bundle import requantize_target, write_bundle, write_overlay
-from l47.solvers.ftpo import FtpoConfig, train_ftpo
-from l47.solvers.wfld import WfldConfig, solve_wfld
+from l47.model import names
+from l47.solvers.batch import Batch, EventTerms, batch_mix, gather, pick_chosen
+from l47.solvers.ftpo import FtpoConfig
+from l47.solvers.select import SOLVER_SETS, Selection, select_positions
+from l47.solvers.wfld import WfldConfig
+from l47.tail.forward import head_stats, paired_stats
 
 METHODS = ("wfld", "ftpo")
 COMMON_KEYS = ("seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen", "wfld", "ftpo")
-SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")  # the only sets a solve reads
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,20 @@ class SolveConfig:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class SolveResult:
+    """What `run_solve` returns: the record it wrote (its `claims` typed) and where."""
+
+    record: rec.SolveRecord
+    bundle: Path
+    record_path: Path
+    config: SolveConfig
+
+    @property
+    def claims(self) -> rec.SolveClaims:
+        return self.record.claims
+
+
 def _sub(cls, d: dict, where: str):
     valid = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(d) - valid)
@@ -82,27 +104,62 @@ def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
                        ftpo=_sub(FtpoConfig, t.get("ftpo", {}), where + " [solver.ftpo]"))
 
 
-def _check_model_hash(d, w, path):
-    m = str(d.meta.model)
-    if len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != w.model_sha256:
-        raise L47Error(path, "meta.model", f"the base model's sha256 {w.model_sha256[:16]}…",
-                       f"{m[:16]}… (dumped from another model)")
+# ----------------------------------------------------------------------------------------------------------
+# plan
 
 
-def _p_by_phrase(phrases, p):
-    out = {}
-    for ph, v in zip(phrases, p):
-        out.setdefault(ph, []).append(float(v))
-    return {k: float(np.mean(v)) for k, v in sorted(out.items())}
+class DumpCache:
+    """The report's accepted documents by sha256, read once; batches of (doc, row) pairs."""
+
+    def __init__(self, report, w):
+        self.w = w
+        self.paths = {d.sha256: d.path for d in report.docs if not d.refused}
+        self._cache: dict[str, object] = {}
+
+    def dump(self, sha: str):
+        from l47.dumps import read_dump
+
+        if sha not in self._cache:
+            p = Path(self.paths[sha])
+            d = read_dump(p)
+            m = str(d.meta.model)
+            if len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != self.w.model_sha256:
+                raise L47Error(p, "meta.model", f"the base model's sha256 {self.w.model_sha256[:16]}…",
+                               f"{m[:16]}… (dumped from another model)")
+            self._cache[sha] = d
+        return self._cache[sha]
+
+    def tokens(self, sha: str):
+        return self.dump(sha).tokens
+
+    def batch(self, pairs) -> Batch | None:
+        by: dict[str, list[int]] = {}
+        for sha, pos in pairs:
+            by.setdefault(sha, []).append(pos)
+        items = [(self.dump(s), rows) for s, rows in by.items()]
+        return gather(items, self.w.device) if items else None
 
 
-def run_solve(args: SolveArgs, log=print) -> dict:
-    """Solve and write the bundle and its record. Returns the claims (also stored in the record)."""
-    from l47.dumps import read_dump
+@dataclass
+class SolvePlan:
+    args: SolveArgs
+    exp: object  # l47.data.experiment.Experiment
+    model: Path
+    out: Path
+    cfg: SolveConfig
+    base_g: object  # GGUF of the base
+    w: object  # TailWeights
+    report: object  # SetsReport
+    sets_built_here: bool  # the sets pass (base scoring of every document) ran inside this solve
+    dumps: DumpCache
+
+
+def plan_solve(args: SolveArgs) -> SolvePlan:
+    """Load and check every input before any solving: model, output path, config, target type, sets report."""
     from l47.data.experiment import load_experiment
-    from l47.model.gguf_io import open_gguf
-    from l47.data.ledger import append_ledger
     from l47.data.sets import build_sets, load_sets_report
+    from l47.model.gguf_io import open_gguf
+    from l47.model.weights import load_tail_weights
 
     exp = load_experiment(args.experiment)
     model = args.model or exp.model
@@ -120,177 +177,222 @@ def run_solve(args: SolveArgs, log=print) -> dict:
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
-    report = load_sets_report(args.sets_json) if args.sets_json else build_sets(exp, w, device=args.device)
-    train = [e for e in report.events if e.set == "train"]
-    devs = [e for e in report.events if e.set == "dev"]
-    if not train:
-        raise L47Error(exp.path, "train events", "at least one prefix-exact event with base p ≥ "
-                       f"{exp.thresholds.non_event_p} in accepted train documents", "none")
-    docs = {d.sha256: d for d in report.docs if not d.refused}
-    # every batch is ordered by document CONTENT (token ids), not by file hash: the same documents dumped into
-    # another folder (other metadata, other file hashes) give the same float order and the same bundle bytes
-    ckey = {d.sha256: (d.content_key or d.sha256) for d in report.docs}
+    built = not args.sets_json
+    report = build_sets(exp, w, device=args.device) if built else load_sets_report(args.sets_json)
+    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w))
 
-    def order(sha: str, pos: int):
-        return (ckey.get(sha, sha), pos)
 
-    cache: dict[str, object] = {}
+# ----------------------------------------------------------------------------------------------------------
+# problem and solve
 
-    def dump(sha):
-        if sha not in cache:
-            p = Path(docs[sha].path)
-            d = read_dump(p)
-            _check_model_hash(d, w, p)
-            cache[sha] = d
-        return cache[sha]
 
-    def batch_of(pairs) -> Batch | None:
-        by: dict[str, list[int]] = {}
-        for sha, pos in pairs:
-            by.setdefault(sha, []).append(pos)
-        items = [(dump(s), rows) for s, rows in by.items()]
-        return gather(items, w.device) if items else None
+@dataclass
+class Problem:
+    events: Batch  # one row per train event, in selection order
+    terms: EventTerms
+    anchors: Batch | None  # collateral anchors, then turn ends
+    background: Batch
+    dev: Batch | None  # dev events (FTPO's best-step choice only)
 
-    special = sorted(set(int(v) for v in report.special_ids.values()))
-    scale_of = {p["phrase"]: float(p.get("margin_scale", 1.0)) for p in report.phrases}
-    # events in a fixed order: (doc, pos)
-    train = sorted(train, key=lambda e: order(e.doc_sha256, e.pos))
-    devs = sorted(devs, key=lambda e: order(e.doc_sha256, e.pos))
-    ev = batch_of([(e.doc_sha256, e.pos) for e in train])
-    if ev.doc != tuple(e.doc_sha256 for e in train) or ev.pos != tuple(e.pos for e in train):
+
+def build_problem(plan: SolvePlan, sel: Selection) -> Problem:
+    w, cfg, dumps = plan.w, plan.cfg, plan.dumps
+    ev = dumps.batch([(e.doc_sha256, e.pos) for e in sel.train])
+    if ev.doc != tuple(e.doc_sha256 for e in sel.train) or ev.pos != tuple(e.pos for e in sel.train):
         raise L47Error("solve", "train events", "one batch row per event, in event order", "a different order")
-    rejected = torch.as_tensor([e.final for e in train], device=w.device)
-    chosen = pick_chosen(ev, w, rejected, special, k=cfg.n_chosen)
-    terms = EventTerms(rejected=rejected, chosen=chosen, special=torch.as_tensor(special, dtype=torch.long),
-                       scale=torch.as_tensor([scale_of.get(e.phrase, 1.0) for e in train], device=w.device))
-    anchors_rec = sorted([c for c in report.collateral if c.set == "collateral_anchor"],
-                         key=lambda c: order(c.doc_sha256, c.pos))
-    if cfg.max_anchors_per_word > 0:
-        keep = []
-        for word in sorted({c.word for c in anchors_rec}):
-            occ = [c for c in anchors_rec if c.word == word]
-            idx = np.unique(np.linspace(0, len(occ) - 1, min(len(occ), cfg.max_anchors_per_word)).round().astype(int))
-            keep += [occ[i] for i in idx]
-        anchors_rec = sorted(keep, key=lambda c: order(c.doc_sha256, c.pos))
-    bg_docs = sorted([d for d in report.docs if d.set == "background" and not d.refused],
-                     key=lambda d: order(d.sha256, 0))
-    if not bg_docs:
-        raise L47Error(exp.path, "sets.background", "at least one accepted background document (plain and chat)",
-                       "none")
-    total = sum(d.T for d in bg_docs)
-    stride = max(1, int(np.ceil(total / cfg.max_background)))
-    bg_pairs = [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)]
-    im_end = report.special_ids.get(names.IM_END)
-    turn_ends = []  # (doc, row) of real turn ends in the solver's chats (background, train, dev): protected exactly
-    if cfg.protect_turn_ends and im_end is not None:
-        own = sorted([d for d in report.docs if d.set in ("train", "dev") and not d.refused],
-                     key=lambda d: order(d.sha256, 0))
-        for d in bg_docs + own:
-            tg = np.asarray(dump(d.sha256).tokens[1:])
-            turn_ends += [(d.sha256, int(t)) for t in np.nonzero(tg == im_end)[0]]
-    an = batch_of([(c.doc_sha256, c.pos) for c in anchors_rec] + turn_ends)
-    bg = batch_of(bg_pairs)
-    log(f"solve: {len(train)} train events, {len(devs)} dev events, {0 if an is None else an.P} anchors "
-        f"({len(turn_ends)} of them turn ends of the solver's chats), "
-        f"{bg.P} background positions (every {stride}th of {total}) from {len(bg_docs)} documents")
+    rejected = torch.as_tensor([e.final for e in sel.train], device=w.device)
+    chosen = pick_chosen(ev, w, rejected, sel.special, k=cfg.n_chosen)
+    scale_of = {p["phrase"]: float(p.get("margin_scale", 1.0)) for p in plan.report.phrases}
+    terms = EventTerms(rejected=rejected, chosen=chosen, special=torch.as_tensor(sel.special, dtype=torch.long),
+                       scale=torch.as_tensor([scale_of.get(e.phrase, 1.0) for e in sel.train], device=w.device))
+    an = dumps.batch([(c.doc_sha256, c.pos) for c in sel.anchors] + sel.turn_ends)
+    dev = dumps.batch([(e.doc_sha256, e.pos) for e in sel.dev]) if sel.dev and cfg.method == "ftpo" else None
+    return Problem(ev, terms, an, dumps.batch(sel.background), dev)
 
+
+def describe(sel: Selection, prob: Problem) -> str:
+    return (f"solve: {len(sel.train)} train events, {len(sel.dev)} dev events, "
+            f"{0 if prob.anchors is None else prob.anchors.P} anchors ({len(sel.turn_ends)} of them turn ends of "
+            f"the solver's chats), {prob.background.P} background positions (every {sel.stride}th of "
+            f"{sel.background_total}) from {sel.background_docs} documents")
+
+
+@dataclass
+class Solved:
+    dW: torch.Tensor  # [n, f] f32, the float solution
+    summary: dict  # the solver's diagnostics
+    predicted_bg_kl: float | None = None
+
+
+def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress) -> Solved:
+    from l47.solvers.ftpo import train_ftpo
+    from l47.solvers.wfld import solve_wfld
+
+    cfg, w = plan.cfg, plan.w
     torch.manual_seed(cfg.seed)
     if cfg.method == "wfld":
-        res = solve_wfld(w, ev, terms, bg, an, cfg.wfld, log=log)
-        dW, method_summary = res.dW, res.summary()
-    else:
-        dev_batch = None
-        if devs:
-            db = batch_of([(e.doc_sha256, e.pos) for e in devs])
-            dev_batch = (db, torch.as_tensor([e.final for e in devs]))
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        res = solve_wfld(w, prob.events, prob.terms, prob.background, prob.anchors, cfg.wfld, log=log)
+        return Solved(res.dW, res.summary(), res.predicted_bg_kl)
+    dev = (prob.dev, torch.as_tensor([e.final for e in sel.dev])) if prob.dev is not None else None
+    words = [c.token_id for c in sel.anchors] + [sel.im_end] * len(sel.turn_ends)
+    step = None if progress is None else (lambda r: progress({**r, "steps": cfg.ftpo.steps}))
+    res = train_ftpo(w, prob.terms, prob.events, prob.background, prob.anchors,
+                     words if prob.anchors is not None else None, dev, cfg.ftpo, progress=step)
+    return Solved(res.dW, res.summary())
 
-        with Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      TextColumn("{task.description}"), transient=True, disable=log is None) as bar:
-            task = bar.add_task("", total=cfg.ftpo.steps)
 
-            def live(r: dict) -> None:
-                bar.update(task, advance=1, description=f"loss {r['loss']:.4f} pref {r['pref']:.4f} "
-                           f"KL {r['kl']:.2e} coll {r['coll']:.2e}"
-                           + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""))
+# ----------------------------------------------------------------------------------------------------------
+# re-quantise and measure
 
-            words = [c.token_id for c in anchors_rec] + [int(im_end)] * len(turn_ends)
-            res = train_ftpo(w, terms, ev, bg, an, words if an is not None else None,
-                             dev_batch, cfg.ftpo, progress=live)
-        dW, method_summary = res.dW, res.summary()
 
-    # ---- re-quantise and score as shipped
-    raw_new, W_q = requantize_target(base_g, w.target, w.W_sd + dW)
-    W_q = W_q.to(w.device)
-    dW_q = W_q - w.W_sd
-    claims: dict = {"dW_rel_norm": float(dW_q.norm() / w.W_sd.norm()),
-                    "dW_rel_norm_float": float(dW.norm() / w.W_sd.norm()),
-                    "blocks_changed": int((raw_new.reshape(-1, 34) != np.asarray(base_g.raw(w.target)).reshape(-1, 34))
-                                          .any(1).sum()),
-                    "method": {**method_summary, "figures_from": "the float ΔW, before re-quantisation"}}
+@dataclass
+class Shipped:
+    raw: np.ndarray  # Q8_0 bytes of the target
+    W_q: torch.Tensor  # their runtime values [n, f] f32 on the weights' device
 
-    def p_rej(events, W=None):
-        if not events:
-            return np.zeros(0)
-        b = batch_of([(e.doc_sha256, e.pos) for e in events])
-        with torch.no_grad():
-            z = batch_mix(b, w, W_sd=W)
-        from l47.tail.forward import head_stats
-        st = head_stats(z, w, np.array([e.final for e in events]))
-        return np.exp(st.logp_target)
 
-    for name, evs in (("train", train), ("dev", devs)):
-        if evs:
-            b0, b1 = p_rej(evs), p_rej(evs, W_q)
-            phr = [e.phrase for e in evs]
-            claims[f"{name}_p_rejected"] = {"before": float(b0.mean()), "after": float(b1.mean()),
-                                            "per_phrase_before": _p_by_phrase(phr, b0),
-                                            "per_phrase_after": _p_by_phrase(phr, b1), "n": len(evs)}
+def requantize(plan: SolvePlan, dW: torch.Tensor) -> Shipped:
+    from l47.solvers.bundle import requantize_target
+
+    raw, W_q = requantize_target(plan.base_g, plan.w.target, plan.w.W_sd + dW)
+    return Shipped(raw, W_q.to(plan.w.device))
+
+
+def _p_rejected(plan: SolvePlan, events: list, W_q) -> rec.PRejected | None:
+    """Mean base and shipped p(rejected) over `events`, overall and per phrase."""
+    if not events:
+        return None
+    b = plan.dumps.batch([(e.doc_sha256, e.pos) for e in events])
+    finals = np.array([e.final for e in events])
     with torch.no_grad():
-        ps = paired_stats(batch_mix(bg, w), batch_mix(bg, w, W_sd=W_q), w, bg.target.cpu().numpy())
-    claims["background_kl_exact"] = float(ps.kld.mean())
-    if cfg.method == "wfld":
-        claims["background_kl_predicted"] = res.predicted_bg_kl
-    if an is not None:
-        with torch.no_grad():
-            m0, mf, mq = batch_mix(an, w), batch_mix(an, w, dW=dW), batch_mix(an, w, W_sd=W_q)
-        tg = an.target.cpu().numpy()
-        float_move = np.abs(paired_stats(m0, mf, w, tg).dlogp).max()
-        shipped = np.abs(paired_stats(m0, mq, w, tg).dlogp).max()
-        floor = np.abs(paired_stats(mf, mq, w, tg).dlogp).max()
-        claims["anchors"] = {"n": an.P, "max_abs_dlogp_float": float(float_move),
-                             "max_abs_dlogp_shipped": float(shipped), "requant_floor": float(floor)}
+        p0 = np.exp(head_stats(batch_mix(b, plan.w), plan.w, finals).logp_target)  # [P]
+        p1 = np.exp(head_stats(batch_mix(b, plan.w, W_sd=W_q), plan.w, finals).logp_target)  # [P]
+    phr = [e.phrase for e in events]
 
-    # ---- bundle, record, ledger
-    inputs = [rec.InputFile(str(Path(model)), base_g.sha256(), "model"),
-              rec.InputFile(str(exp.path), sha256_file(exp.path), "experiment")]
-    inputs += [rec.InputFile(d.path, d.sha256, d.set) for d in sorted(report.docs, key=lambda d: (d.set, d.sha256))]
-    prov = {"method": cfg.method, "toolkit_version": l47.__version__, "seed": str(cfg.seed),
-            "base_sha256": base_g.sha256(), "target": w.target, "config": cfg.to_dict(),
-            "dumps": sorted({d.sha256 for d in report.docs if not d.refused and d.set in SOLVER_SETS})}
-    if args.overlay:
-        write_overlay(model, out, w.target, raw_new, prov)
-    else:
-        write_bundle(model, out, w.target, raw_new, prov)
-    bundle_sha = open_gguf(out).sha256()
-    touched = [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base) for e in train]
-    touched += [rec.Touched(ev.doc[i], ev.pos[i], int(s), rec.TERM_SPECIAL) for i in range(ev.P) for s in special]
-    if cfg.method == "ftpo":
-        touched += [rec.Touched(ev.doc[i], ev.pos[i], int(c), rec.TERM_TETHER) for i in range(ev.P)
-                    for c in chosen[i].tolist()]
-    touched += [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_ANCHOR, c.word, c.p_base) for c in anchors_rec]
-    touched += [rec.Touched(s, t, int(im_end), rec.TERM_ANCHOR, names.IM_END) for s, t in turn_ends]
-    touched += [rec.Touched(s, p, -1, rec.TERM_BACKGROUND) for s, p in bg_pairs]
-    record = rec.SolveRecord(method=cfg.method, toolkit_version=l47.__version__, seed=cfg.seed,
-                             base_sha256=base_g.sha256(), bundle_sha256=bundle_sha, target=w.target,
-                             config=cfg.to_dict(), inputs=inputs, touched=touched, claims=claims,
-                             notes=list(method_summary.get("warnings", [])) if isinstance(method_summary, dict) else [])
-    write_text_atomic(rec.record_path_for(out), record.to_json())
-    ledger = args.ledger or out.parent / "ledger.jsonl"
-    scored = sorted({d.sha256 for d in report.docs if d.set != "blind"})  # sets never scores a blind document
-    append_ledger(ledger, [(s, bundle_sha) for s in scored], "solve")
-    claims["bundle"] = str(out)
-    claims["bundle_sha256"] = bundle_sha
-    claims["record"] = str(rec.record_path_for(out))
-    claims["config"] = cfg.to_dict()
-    return claims
+    def per_phrase(p):
+        out: dict[str, list[float]] = {}
+        for ph, v in zip(phr, p):
+            out.setdefault(ph, []).append(float(v))
+        return {k: float(np.mean(v)) for k, v in sorted(out.items())}
+
+    return rec.PRejected(before=float(p0.mean()), after=float(p1.mean()), n=len(events),
+                         per_phrase_before=per_phrase(p0), per_phrase_after=per_phrase(p1))
+
+
+def _anchor_claims(plan: SolvePlan, an: Batch | None, dW, W_q) -> rec.AnchorClaims | None:
+    if an is None:
+        return None
+    w = plan.w
+    with torch.no_grad():
+        m0, mf, mq = batch_mix(an, w), batch_mix(an, w, dW=dW), batch_mix(an, w, W_sd=W_q)
+    tg = an.target.cpu().numpy()
+
+    def worst(a, b):
+        return float(np.abs(paired_stats(a, b, w, tg).dlogp).max())
+
+    return rec.AnchorClaims(n=an.P, max_abs_dlogp_float=worst(m0, mf), max_abs_dlogp_shipped=worst(m0, mq),
+                            requant_floor=worst(mf, mq))
+
+
+def measure(plan: SolvePlan, sel: Selection, prob: Problem, solved: Solved, shipped: Shipped) -> rec.SolveClaims:
+    """Every claimed figure, on the re-quantised weights (exact forward)."""
+    w, W_q = plan.w, shipped.W_q
+    base_raw = np.asarray(plan.base_g.raw(w.target))
+    with torch.no_grad():
+        bg = paired_stats(batch_mix(prob.background, w), batch_mix(prob.background, w, W_sd=W_q), w,
+                          prob.background.target.cpu().numpy())
+    return rec.SolveClaims(
+        dW_rel_norm=float((W_q - w.W_sd).norm() / w.W_sd.norm()),
+        dW_rel_norm_float=float(solved.dW.norm() / w.W_sd.norm()),
+        blocks_changed=int((shipped.raw.reshape(-1, 34) != base_raw.reshape(-1, 34)).any(1).sum()),
+        train_p_rejected=_p_rejected(plan, sel.train, W_q),
+        dev_p_rejected=_p_rejected(plan, sel.dev, W_q),
+        background_kl_exact=float(bg.kld.mean()),
+        background_kl_predicted=solved.predicted_bg_kl,
+        anchors=_anchor_claims(plan, prob.anchors, solved.dW, W_q),
+        method={**solved.summary, "figures_from": "the float ΔW, before re-quantisation"},
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# write: bundle, record, ledger
+
+
+def touched_terms(sel: Selection, prob: Problem, method: str) -> list[rec.Touched]:
+    """Every (document, row, token, term) the objective acted on."""
+    ev = prob.events
+    t = [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base) for e in sel.train]
+    t += [rec.Touched(ev.doc[i], ev.pos[i], int(s), rec.TERM_SPECIAL) for i in range(ev.P) for s in sel.special]
+    if method == "ftpo":
+        t += [rec.Touched(ev.doc[i], ev.pos[i], int(c), rec.TERM_TETHER) for i in range(ev.P)
+              for c in prob.terms.chosen[i].tolist()]
+    t += [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_ANCHOR, c.word, c.p_base) for c in sel.anchors]
+    t += [rec.Touched(s, r, int(sel.im_end), rec.TERM_ANCHOR, names.IM_END) for s, r in sel.turn_ends]
+    t += [rec.Touched(s, p, -1, rec.TERM_BACKGROUND) for s, p in sel.background]
+    return t
+
+
+def _write_bundle(plan: SolvePlan, raw: np.ndarray) -> str:
+    """Bundle (or overlay) with provenance; returns its sha256."""
+    from l47.model.gguf_io import open_gguf
+    from l47.solvers.bundle import write_bundle, write_overlay
+
+    r = plan.report
+    prov = {"method": plan.cfg.method, "toolkit_version": l47.__version__, "seed": str(plan.cfg.seed),
+            "base_sha256": plan.base_g.sha256(), "target": plan.w.target, "config": plan.cfg.to_dict(),
+            "dumps": sorted({d.sha256 for d in r.docs if not d.refused and d.set in SOLVER_SETS})}
+    (write_overlay if plan.args.overlay else write_bundle)(plan.model, plan.out, plan.w.target, raw, prov)
+    return open_gguf(plan.out).sha256()
+
+
+def _ledger_entries(plan: SolvePlan, sel: Selection, bundle_sha: str) -> list[tuple[str, str]]:
+    """(doc, model or bundle sha256) for what THIS command scored: the documents it measured on the bundle
+    (events, anchors, turn ends, background) against the bundle; when it built the sets itself, every document
+    that pass scored, against the base (a blind document is never scored by a solve)."""
+    on_bundle = ({e.doc_sha256 for e in sel.train + sel.dev} | {c.doc_sha256 for c in sel.anchors}
+                 | {s for s, _ in sel.turn_ends + sel.background})
+    out = []
+    if plan.sets_built_here:
+        out += [(d.sha256, plan.report.model_sha256) for d in plan.report.docs
+                if d.set != "blind" and d.sha256 and d.ce is not None]
+    return out + [(s, bundle_sha) for s in sorted(on_bundle)]
+
+
+def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipped,
+                  claims: rec.SolveClaims) -> SolveResult:
+    from l47.data.ledger import append_ledger
+
+    bundle_sha = _write_bundle(plan, shipped.raw)
+    r, base_sha = plan.report, plan.base_g.sha256()
+    inputs = [rec.InputFile(str(plan.model), base_sha, "model"),
+              rec.InputFile(str(plan.exp.path), sha256_file(plan.exp.path), "experiment")]
+    inputs += [rec.InputFile(d.path, d.sha256, d.set) for d in sorted(r.docs, key=lambda d: (d.set, d.sha256))]
+    warnings = claims.method.get("warnings", [])
+    record = rec.SolveRecord(method=plan.cfg.method, toolkit_version=l47.__version__, seed=plan.cfg.seed,
+                             base_sha256=base_sha, bundle_sha256=bundle_sha, target=plan.w.target,
+                             config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
+                             claims=claims, notes=list(warnings))
+    path = rec.record_path_for(plan.out)
+    write_text_atomic(path, record.to_json())
+    append_ledger(plan.args.ledger or plan.out.parent / "ledger.jsonl", _ledger_entries(plan, sel, bundle_sha),
+                  "solve")
+    return SolveResult(record, plan.out, path, plan.cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the driver
+
+
+def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
+              progress: Callable[[dict], None] | None = None) -> SolveResult:
+    """Solve and write the bundle, its record and the ledger lines. `log` receives messages, `progress` one dict
+    per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths."""
+    log = log or (lambda _msg: None)
+    plan = plan_solve(args)
+    sel = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
+    prob = build_problem(plan, sel)
+    log(describe(sel, prob))
+    solved = solve_problem(plan, sel, prob, log, progress)
+    shipped = requantize(plan, solved.dW)
+    claims = measure(plan, sel, prob, solved, shipped)
+    return write_outputs(plan, sel, prob, shipped, claims)

@@ -269,9 +269,10 @@ def _write_record(bundle, w, sets_rep, extra_touched=(), claims_override=None):
         pa.append(math.exp(ps.new.logp_target[e.pos]))
     touched = [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base) for e in train]
     touched += list(extra_touched)
-    claims = {"dW_rel_norm": float((W_new.double() - w.W_sd.double()).norm() / w.W_sd.double().norm()),
-              "train_p_rejected": {"before": float(np.mean(pb)), "after": float(np.mean(pa)), "n": len(train)}}
-    claims.update(claims_override or {})
+    claims = rec.SolveClaims(
+        dW_rel_norm=float((W_new.double() - w.W_sd.double()).norm() / w.W_sd.double().norm()),
+        train_p_rejected=rec.PRejected(before=float(np.mean(pb)), after=float(np.mean(pa)), n=len(train)))
+    claims = replace(claims, **(claims_override or {}))
     inputs = [rec.InputFile(d.path, d.sha256, d.set) for d in sets_rep.docs if d.set in ("train", "dev", "background")]
     r = rec.SolveRecord(method="hand", toolkit_version="test", seed=0, base_sha256=w.model_sha256, bundle_sha256=bsha,
                         target=w.target, config={}, inputs=inputs, touched=touched, claims=claims)
@@ -531,8 +532,11 @@ def test_record_overlapping_a_scored_set_fails_disjointness(world, tmp_path):
 def test_claims_that_do_not_reproduce_fail(world, tmp_path):
     bundle = tmp_path / "good_copy.gguf"
     shutil.copy(world["bundles"]["good"], bundle)
-    _write_record(bundle, world["w"], world["sets"], claims_override={"train_p_rejected": {"before": 0.63,
-                                                                                            "after": 0.0055}})
+    from l47.data.record import PRejected
+
+    n = sum(1 for e in world["sets"].events if e.set == "train")
+    _write_record(bundle, world["w"], world["sets"],
+                  claims_override={"train_p_rejected": PRejected(before=0.63, after=0.0055, n=n)})
     res = _audit(world, bundle, tmp_path / "out")
     b = _bars(res)["claims"]
     assert not b.passed and "train_p_rejected.after" in b.details["mismatched"]

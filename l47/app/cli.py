@@ -171,12 +171,10 @@ def solve(
     device: str = typer.Option("cpu"),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
-    from l47.solvers.solve import SolveArgs, run_solve
-    from l47.app.solve_report import print_solve
+    from l47.solvers.solve import SolveArgs
+    from l47.app.solve_report import solve_and_print
 
-    claims = run_solve(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json),
-                       log=lambda m: console.print(m, highlight=False))
-    print_solve(claims, console)
+    solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json), console)
 
 
 @app.command()
@@ -229,11 +227,11 @@ def audit(
 ):
     """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
     if every bar passes."""
-    from l47.evals.audit import AuditArgs, print_summary, run_audit
+    from l47.app.audit_view import audit_and_print
+    from l47.evals.audit import AuditArgs
 
-    res = run_audit(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
-                              tuple(engine_dumps), plots=plots), console)
-    print_summary(res, console)
+    res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
+                                    tuple(engine_dumps), plots=plots), console)
     raise typer.Exit(res.exit_code)
 
 

@@ -134,7 +134,8 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
                 for e in sets_report.events if e.set == "train"]
     r = rec.SolveRecord(method="negative-control", toolkit_version=l47.__version__, seed=0,
                         base_sha256=open_gguf(base).sha256(), bundle_sha256=open_gguf(bundle).sha256(),
-                        target="", config={"word_id": word_id}, inputs=[], touched=touched, claims={})
+                        target="", config={"word_id": word_id}, inputs=[], touched=touched,
+                        claims=rec.SolveClaims())
     p = rec.record_path_for(bundle)
     write_text_atomic(p, r.to_json())
     return p
@@ -145,10 +146,11 @@ def run_demo(args: DemoArgs, console) -> int:
     solved bundle passes every bar and the negative control fails."""
     from l47.app.dumping import GenerateOptions, run_dump
     from l47.errors import L47Error
-    from l47.evals.audit import AuditArgs, run_audit
+    from l47.app.audit_view import audit_and_print
+    from l47.evals.audit import AuditArgs
     from l47.data.sets import build_sets, write_sets_json, render_sets_table
-    from l47.app.solve_report import print_solve
-    from l47.solvers.solve import SolveArgs, run_solve
+    from l47.app.solve_report import solve_and_print
+    from l47.solvers.solve import SolveArgs
     from l47.model.vocab import vocab_for_model
 
     out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
@@ -189,16 +191,14 @@ def run_demo(args: DemoArgs, console) -> int:
     console.rule("[bold]3. solve (WFLD)")
     bundle = out / "bundle.gguf"
     ledger = out / "ledger.jsonl"
-    claims = run_solve(SolveArgs(exp, "wfld", bundle, ledger=ledger, sets_json=sets_json),
-                       log=lambda m: console.print(m, highlight=False))
-    print_solve(claims, console)
+    solve_and_print(SolveArgs(exp, "wfld", bundle, ledger=ledger, sets_json=sets_json), console)
 
     console.rule("[bold]4. audit")
-    dev = run_audit(AuditArgs(bundle, model, exp, out / "audit", ledger=ledger), console)
+    dev = audit_and_print(AuditArgs(bundle, model, exp, out / "audit", ledger=ledger), console)
     blind_ok = None
     if dirs["blind"]:
         console.rule("[bold]5. blind sign-off")
-        bl = run_audit(AuditArgs(bundle, model, exp, out / "audit-blind", blind=dirs["blind"][0],
+        bl = audit_and_print(AuditArgs(bundle, model, exp, out / "audit-blind", blind=dirs["blind"][0],
                                  dev_report=Path(dev.out_dir) / "report.json", ledger=ledger), console)
         blind_ok = bl.passed
 
@@ -214,7 +214,7 @@ def run_demo(args: DemoArgs, console) -> int:
                if c.token_id == word and c.set == "collateral_anchor"]
         cb = suppress_word_bundle(model, out / "control" / "bundle.gguf", word, ctx)
         control_record(cb, model, report, word)
-        ctl = run_audit(AuditArgs(cb, model, exp, out / "control" / "audit", ledger=out / "control" / "ledger.jsonl"),
+        ctl = audit_and_print(AuditArgs(cb, model, exp, out / "control" / "audit", ledger=out / "control" / "ledger.jsonl"),
                         console)
         control_ok = not ctl.passed
         failed = [b.name for b in ctl.bars if not b.passed]

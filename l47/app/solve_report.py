@@ -1,43 +1,81 @@
-"""Rich rendering of what `l47 solve` claims (all figures from the re-quantised weights)."""
+"""Rich rendering of `l47 solve`: the FTPO progress bar and what the solve claims (all figures from the
+re-quantised weights)."""
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 
-def print_solve(claims: dict, console: Console) -> None:
-    cfg = claims.get("config", {})
-    console.print(f"[bold]resolved config[/]: {cfg}", highlight=False)
+class FtpoProgress:
+    """`progress` callback for run_solve: a transient bar over the FTPO steps (created at the first step)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.bar: Progress | None = None
+        self.task = None
+
+    def __enter__(self) -> "FtpoProgress":
+        return self
+
+    def __call__(self, r: dict) -> None:
+        if self.bar is None:
+            self.bar = Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                TextColumn("{task.description}"), transient=True, console=self.console)
+            self.bar.start()
+            self.task = self.bar.add_task("", total=r.get("steps"))
+        self.bar.update(self.task, advance=1, description=f"loss {r['loss']:.4f} pref {r['pref']:.4f} "
+                        f"KL {r['kl']:.2e} coll {r['coll']:.2e}"
+                        + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""))
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def print_solve(res, console: Console) -> None:
+    """res: l47.solvers.solve.SolveResult."""
+    c = res.claims
+    console.print(f"[bold]resolved config[/]: {res.config.to_dict()}", highlight=False)
     t = Table(title="p(rejected) at events, before -> after (exact forward, re-quantised Q8_0 weights)")
-    for c in ("set", "phrase", "before", "after", "change"):
-        t.add_column(c, justify="left" if c in ("set", "phrase") else "right")
-    for name in ("train", "dev"):
-        d = claims.get(f"{name}_p_rejected")
+    for col in ("set", "phrase", "before", "after", "change"):
+        t.add_column(col, justify="left" if col in ("set", "phrase") else "right")
+    for name, d in (("train", c.train_p_rejected), ("dev", c.dev_p_rejected)):
         if not d:
             continue
-        for ph, b in d["per_phrase_before"].items():
-            a = d["per_phrase_after"][ph]
+        for ph, b in d.per_phrase_before.items():
+            a = d.per_phrase_after[ph]
             t.add_row(name, ph, f"{b:.3f}", f"{a:.3f}", f"{(a - b) / b:+.0%}" if b else "—")
-        t.add_row(name, "[bold]all[/]", f"{d['before']:.3f}", f"{d['after']:.3f}",
-                  f"{(d['after'] - d['before']) / d['before']:+.0%}" if d["before"] else "—")
+        t.add_row(name, "[bold]all[/]", f"{d.before:.3f}", f"{d.after:.3f}",
+                  f"{(d.after - d.before) / d.before:+.0%}" if d.before else "—")
     console.print(t)
-    line = f"background KL (exact) {claims['background_kl_exact']:.5f}"
-    if "background_kl_predicted" in claims:
-        line += f", K-FAC prediction {claims['background_kl_predicted']:.5f}"
-    console.print(line + f"; ||dW||/||W|| = {claims['dW_rel_norm']:.4f} ({claims['blocks_changed']} Q8_0 blocks "
-                  "changed)", highlight=False)
-    if "anchors" in claims:
-        a = claims["anchors"]
-        console.print(f"protected anchors ({a['n']}): max |Δlog p| {a['max_abs_dlogp_float']:.2e} before "
-                      f"re-quantisation, {a['max_abs_dlogp_shipped']:.2e} shipped (re-quantisation floor "
-                      f"{a['requant_floor']:.2e})", highlight=False)
-    m = claims.get("method", {})
+    line = f"background KL (exact) {c.background_kl_exact:.5f}"
+    if c.background_kl_predicted is not None:
+        line += f", K-FAC prediction {c.background_kl_predicted:.5f}"
+    console.print(line + f"; ||dW||/||W|| = {c.dW_rel_norm:.4f} ({c.blocks_changed} Q8_0 blocks changed)",
+                  highlight=False)
+    if c.anchors is not None:
+        a = c.anchors
+        console.print(f"protected anchors ({a.n}): max |Δlog p| {a.max_abs_dlogp_float:.2e} before "
+                      f"re-quantisation, {a.max_abs_dlogp_shipped:.2e} shipped (re-quantisation floor "
+                      f"{a.requant_floor:.2e})", highlight=False)
+    m = c.method
     if "violation" in m:
         console.print(f"feasibility: max constraint violation {m['violation']:.2e} nats, linear-prediction "
                       f"residual {m['residual']:.2e}, {len(m['infeasible_events'])} infeasible event(s), "
                       f"anchor rank {m['anchor_rank']}, null space {m['null_dim']}", highlight=False)
         for wmsg in m.get("warnings", []):
             console.print(f"[yellow]warning:[/] {wmsg}", highlight=False)
-    console.print(f"bundle {claims['bundle']} (sha256 {claims['bundle_sha256'][:16]}…), record {claims['record']}",
+    console.print(f"bundle {res.bundle} (sha256 {res.record.bundle_sha256[:16]}…), record {res.record_path}",
                   highlight=False)
+
+
+def solve_and_print(args, console: Console):
+    """run_solve with messages and the FTPO bar on `console`, then the claims."""
+    from l47.solvers.solve import run_solve
+
+    with FtpoProgress(console) as bar:
+        res = run_solve(args, log=lambda m: console.print(m, highlight=False), progress=bar)
+    print_solve(res, console)
+    return res

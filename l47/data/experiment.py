@@ -20,6 +20,8 @@ from l47.errors import L47Error
 
 SPLIT_SETS = ("train", "dev", "heldout")
 SETS = SPLIT_SETS + ("collateral_anchor", "collateral_eval", "background", "chat_heldout", "blind")
+SOLVER_SETS = ("train", "dev", "collateral_anchor", "background")  # the only sets a solve reads
+SCORED_SETS = ("heldout", "collateral_eval", "chat_heldout", "blind")  # scored by the audit, + every kld.<domain>
 KLD = "kld"  # [sets.kld] domain = [paths]  →  set name "kld.<domain>"
 VOCAB_SOURCES = ("auto", "gguf", "qwen36")
 POLICIES = ("strata", "exact")

@@ -1,19 +1,29 @@
-"""The solve record: what `l47 solve` used and claims, written as JSON beside the bundle.
+"""The solve record: what `l47 solve` used and claims, written as JSON beside the bundle (`<bundle>.solve.json`).
+
+One set of types for both sides: the solver fills a `SolveRecord` (its `claims` a `SolveClaims`), the audit reads
+the same types back with `read_record` and re-derives the same `SolveClaims` with its own forward
+(l47.evals.audit.claims_figures). No string keys are shared between them: a claim is a dataclass field.
 
 The audit checks bar (a) (every slop position is prefix-exact and an event), the non-event rule and
 train/eval disjointness against THIS record — what the solver actually touched — never against its own
 re-mining (seed §5.3: the failure was positions the solver added).
+
+JSON form (`schema` = RECORD_SCHEMA = 2; documented in docs/ARCHITECTURE.md "The solve record"): the dataclasses
+below as nested objects (`dataclasses.asdict`), keys sorted; an absent optional claim is `null`. Schema 1 (the
+same layout without `claims.convergence`) is read as well: every field added in 2 is optional.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from l47.errors import L47Error
 
-RECORD_SCHEMA = 1
+RECORD_SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)
 # kinds of objective terms a touched position can carry
 TERM_SLOP = "slop"  # FTPO margin / preference at a training event (must be prefix-exact, base p >= 1e-2)
 TERM_ANCHOR = "anchor"  # protected collateral context (zero change)
@@ -21,6 +31,12 @@ TERM_BACKGROUND = "background"  # background KL / Fisher preservation
 TERM_SPECIAL = "special"  # no rise of special tokens at an event
 TERM_TETHER = "tether"  # non-target tether at an event position
 TERM_KINDS = (TERM_SLOP, TERM_ANCHOR, TERM_BACKGROUND, TERM_SPECIAL, TERM_TETHER)
+# why a solver stopped (SolveClaims.convergence.stop_reason)
+STOP_CONVERGED = "converged"  # every constraint within its tolerance
+STOP_ITERATION_CAP = "iteration_cap"  # the iteration / step budget ran out first
+STOP_LINE_SEARCH = "line_search_failed"  # no backtracking step improved the merit function
+STOP_BUDGET = "budget"  # the ‖ΔW‖ / background-KL budget was reached
+STOP_REASONS = (STOP_CONVERGED, STOP_ITERATION_CAP, STOP_LINE_SEARCH, STOP_BUDGET)
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,95 @@ class InputFile:
     set: str  # experiment set name (train, dev, background, collateral_anchor, ...) or "model"/"experiment"
 
 
+# ----------------------------------------------------------------------------------------------------------
+# the claims
+
+
+@dataclass(frozen=True)
+class PRejected:
+    """Mean p(rejected final token) over a set's events, base vs the re-quantised bundle."""
+
+    before: float
+    after: float
+    n: int  # events
+    per_phrase_before: dict[str, float] = field(default_factory=dict)  # phrase -> mean over its events
+    per_phrase_after: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AnchorClaims:
+    """|Δ log p(target)| at the protected anchor positions (collateral contexts and turn ends)."""
+
+    n: int
+    max_abs_dlogp_float: float | None = None  # float ΔW, before re-quantisation
+    max_abs_dlogp_shipped: float | None = None  # the re-quantised bundle
+    requant_floor: float | None = None  # float ΔW vs shipped: what re-quantisation alone moves
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """How the solver ended (filled by the solvers; None where a solver does not report it)."""
+
+    stop_reason: str | None = None  # one of STOP_REASONS
+    max_violation: float | None = None  # max constraint violation at the returned iterate (nats)
+    violation_tol: float | None = None  # the tolerance it was held to (nats)
+    iterations: int | None = None
+
+
+@dataclass(frozen=True)
+class SolveClaims:
+    """Figures the solver claims, measured on the re-quantised weights unless the field says otherwise. Every
+    field is optional: a record claims only what it fills (a hand-made control bundle may claim nothing)."""
+
+    dW_rel_norm: float | None = None  # ‖ΔW‖/‖W‖ of the runtime weights after re-quantisation
+    dW_rel_norm_float: float | None = None  # the same of the float ΔW
+    blocks_changed: int | None = None  # Q8_0 blocks of the target whose bytes differ from the base
+    train_p_rejected: PRejected | None = None  # at the record's slop positions
+    dev_p_rejected: PRejected | None = None  # at the dev events
+    background_kl_exact: float | None = None  # mean KL(base ‖ bundle) at the record's background positions
+    background_kl_predicted: float | None = None  # the solver's own prediction of the same (WFLD: K-FAC)
+    anchors: AnchorClaims | None = None
+    convergence: Convergence | None = None
+    method: dict = field(default_factory=dict)  # the solver's own diagnostics (free form, never re-derived)
+
+    def flat(self) -> Iterator[tuple[tuple[str, ...], object]]:
+        """(path, value) of every filled leaf, e.g. (("train_p_rejected", "per_phrase_after", "short version"),
+        0.8): the path is field names (and phrase / method keys), in field order; None fields are skipped."""
+        yield from _flat(self, ())
+
+    @staticmethod
+    def from_dict(d: dict | None) -> "SolveClaims":
+        d = dict(d or {})
+        sub = {"train_p_rejected": PRejected, "dev_p_rejected": PRejected, "anchors": AnchorClaims,
+               "convergence": Convergence}
+        for k, cls in sub.items():
+            if d.get(k) is not None:
+                d[k] = cls(**d[k])
+        return SolveClaims(**d)
+
+
+def _flat(o, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], object]]:
+    if o is None:
+        return
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from _flat(v, path + (str(k),))
+    elif hasattr(o, "__dataclass_fields__"):
+        for f in fields(o):
+            yield from _flat(getattr(o, f.name), path + (f.name,))
+    else:
+        yield path, o
+
+
+def claim_name(path: tuple[str, ...]) -> str:
+    """The dotted display name of a claim path (report.json's `claims.compared` keys)."""
+    return ".".join(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the record
+
+
 @dataclass(frozen=True)
 class SolveRecord:
     method: str  # "wfld" | "ftpo"
@@ -51,8 +156,7 @@ class SolveRecord:
     config: dict  # the resolved solver config (every knob)
     inputs: list[InputFile]
     touched: list[Touched]
-    claims: dict  # figures the solver claims, after re-quantisation (e.g. train/dev p(rejected) before/after,
-    # background KL, ||dW||/||W||, feasibility)
+    claims: SolveClaims
     schema: int = RECORD_SCHEMA
     notes: list[str] = field(default_factory=list)
 
@@ -73,14 +177,14 @@ def read_record(path: Path) -> SolveRecord:
         raise L47Error(path, "solve record", "an existing JSON file", "nothing") from None
     except ValueError as e:
         raise L47Error(path, "solve record", "valid JSON", f"{type(e).__name__}: {e}") from None
-    if d.get("schema") != RECORD_SCHEMA:
-        raise L47Error(path, "schema", str(RECORD_SCHEMA), repr(d.get("schema")))
+    if d.get("schema") not in READABLE_SCHEMAS:
+        raise L47Error(path, "schema", f"one of {READABLE_SCHEMAS}", repr(d.get("schema")))
     try:
         return SolveRecord(
             method=d["method"], toolkit_version=d["toolkit_version"], seed=int(d["seed"]),
             base_sha256=d["base_sha256"], bundle_sha256=d["bundle_sha256"], target=d["target"], config=d["config"],
             inputs=[InputFile(**x) for x in d["inputs"]], touched=[Touched(**x) for x in d["touched"]],
-            claims=d["claims"], schema=d["schema"], notes=list(d.get("notes", [])),
+            claims=SolveClaims.from_dict(d["claims"]), schema=RECORD_SCHEMA, notes=list(d.get("notes", [])),
         )
     except (KeyError, TypeError) as e:
         raise L47Error(path, "solve record", "every field of SolveRecord", f"{type(e).__name__}: {e}") from None

@@ -235,7 +235,6 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     from l47.dumps import read_dump
     from l47.dumps.select import (chat_structure, find_collateral, find_events, guard_document,
                                   provenance_reasons)
-    from l47.tail.forward import score_dump
     from l47.model.weights import check_dump_dims
 
     w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
@@ -268,7 +267,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     if d.set == "blind":
         stats, logp = None, np.full(T, np.nan)  # [T]
     else:
-        stats = score_dump(w, dump, topk=min(SAMPLER_TOPK, w.V) if guarded else 1)
+        stats = ctx["base_stats"](dump, min(SAMPLER_TOPK, w.V) if guarded else 1)
         logp = stats.logp_target  # [T] f64
 
     reasons: list[str] = []
@@ -337,8 +336,11 @@ def _vocab_for(experiment: Experiment, weights):
 
 
 def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
-               progress: Callable[[str], None] | None = None) -> SetsReport:
-    """Mine, score, guard and split every document of an experiment. See the module docstring."""
+               progress: Callable[[str], None] | None = None, base_stats=None) -> SetsReport:
+    """Mine, score, guard and split every document of an experiment. See the module docstring.
+    base_stats(dump, k) -> HeadStats (>= k top-k columns): the base head pass of a document; default one exact
+    pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once."""
+    from l47.tail.forward import score_dump
     from l47.dumps.select import phrases_to_tuples, split_documents
     from l47.model.weights import TailWeights, load_tail_weights
 
@@ -369,7 +371,8 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     else:
         words = {vocab.decode([i]): i for i in finals}
     final_ids = np.array(sorted(set(finals) | set(words.values())), dtype=np.int64)
-    ctx = dict(weights=w, vocab=vocab, thresholds=th, phrases=phrases, words=words, final_ids=final_ids)
+    ctx = dict(weights=w, vocab=vocab, thresholds=th, phrases=phrases, words=words, final_ids=final_ids,
+               base_stats=base_stats or (lambda dump, k: score_dump(w, dump, topk=k)))
 
     docs: list[_Doc] = []
     seen: dict[str, _Doc] = {}

@@ -1,0 +1,47 @@
+"""Rich rendering of `l47 audit`: one screen with PASS/FAIL per bar and the figure behind it."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from l47.evals import bars as B
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def print_summary(res, console) -> None:
+    """res: l47.evals.audit.AuditReport."""
+    r = res.report
+    t = Table(title=f"l47 audit ({res.mode}) — bundle {res.bundle_sha256[:12]}… — "
+                    + ("[bold green]PASS[/]" if res.passed else "[bold red]FAIL[/]"), show_lines=False)
+    for c in ("bar", "value", "", "threshold", "status"):
+        t.add_column(c, justify="left" if c in ("bar", "status") else "right")
+    for b in res.bars:
+        st = {"PASS": "[green]PASS[/]", "FAIL": "[bold red]FAIL[/]", "n/a": "[dim]n/a[/]"}[b.status]
+        t.add_row(b.name, _fmt(b.value), b.direction, _fmt(b.threshold), st)
+    console.print(t)
+    ho = (r.get("slop") or {}).get("heldout") if res.mode == B.MODE_DEV else (r.get("blind") or {}).get("slop")
+    if ho and ho.get("n"):
+        console.print(f"slop p(rejected) {ho['p_before']:.4f} → {ho['p_after']:.4f} over {ho['n']} events "
+                      f"({100 * (ho.get('reduction') or 0):.1f} % reduction)", highlight=False)
+    for b in res.bars:
+        if not b.passed and "why" in b.details:
+            console.print(f"[red]{b.name}[/]: {b.details['why']}", highlight=False)
+    for n in (r.get("notes") or [])[:5]:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+    console.print(f"report: {res.files.get('report.md')}  (json, tsv, plots in {res.out_dir})", highlight=False)
+
+
+def audit_and_print(args, console):
+    """run_audit, then its summary once."""
+    from l47.evals.audit import run_audit
+
+    res = run_audit(args)
+    print_summary(res, console)
+    return res

@@ -1,0 +1,111 @@
+"""What a solve touches: the selection policy of `l47 solve` (DESIGN §5), as pure functions of the sets report.
+
+    train / dev events      every accepted event of the train / dev sets (the sets report's events)
+    anchors                 collateral_anchor occurrences, thinned to at most `max_anchors_per_word` per word
+                            (evenly spread), plus — with `protect_turn_ends` — the real turn ends (<|im_end|>
+                            targets) of the solver's chats (background, train, dev), protected exactly
+    background              every `stride`-th position of the accepted background documents, the stride chosen
+                            so that at most `max_background` positions are used
+
+Every list is ordered by document CONTENT (the sha256 of its token ids, `DocReport.content_key`) then position,
+not by file hash: the same documents dumped into another folder (other metadata, other file hashes) give the
+same float order and the same bundle bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from l47.data.experiment import SOLVER_SETS
+from l47.errors import L47Error
+from l47.model import names
+
+__all__ = ["SOLVER_SETS", "Selection", "ContentOrder", "select_positions"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The positions a solve uses, each list in content order."""
+
+    train: list  # [EventRecord] the events the solver acts on (slop terms)
+    dev: list  # [EventRecord] measured, never trained on
+    anchors: list  # [CollateralRecord] protected collateral contexts (after thinning)
+    turn_ends: list[tuple[str, int]]  # (doc sha256, row) of real turn ends, protected exactly
+    background: list[tuple[str, int]]  # (doc sha256, row) background KL / Fisher positions
+    background_docs: int
+    background_total: int  # positions of the background documents before striding
+    stride: int
+    special: list[int]  # special-token ids (sorted)
+    im_end: int | None  # the turn-end token id (None: the vocabulary has none)
+
+
+class ContentOrder:
+    """Sort key (content key, position) for a report's documents."""
+
+    def __init__(self, report):
+        self._key = {d.sha256: (d.content_key or d.sha256) for d in report.docs}
+
+    def __call__(self, sha: str, pos: int) -> tuple[str, int]:
+        return (self._key.get(sha, sha), pos)
+
+
+def thin_anchors(anchors: list, per_word: int, order: ContentOrder) -> list:
+    """At most `per_word` occurrences per word, evenly spread over its occurrences (per_word <= 0: all)."""
+    if per_word <= 0:
+        return anchors
+    keep = []
+    for word in sorted({c.word for c in anchors}):
+        occ = [c for c in anchors if c.word == word]
+        idx = np.unique(np.linspace(0, len(occ) - 1, min(len(occ), per_word)).round().astype(int))
+        keep += [occ[i] for i in idx]
+    return sorted(keep, key=lambda c: order(c.doc_sha256, c.pos))
+
+
+def background_positions(bg_docs: list, max_background: int) -> tuple[list[tuple[str, int]], int, int]:
+    """Every stride-th row of each document, stride = ceil(total / max_background). -> (pairs, stride, total)"""
+    total = sum(d.T for d in bg_docs)
+    stride = max(1, int(np.ceil(total / max_background)))
+    return [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)], stride, total
+
+
+def turn_end_rows(docs: list, im_end: int, tokens_of) -> list[tuple[str, int]]:
+    """(doc, row) of every row whose target is `im_end`, for each document (tokens_of(sha) -> token ids)."""
+    out = []
+    for d in docs:
+        tg = np.asarray(tokens_of(d.sha256)[1:])  # [T] targets
+        out += [(d.sha256, int(t)) for t in np.nonzero(tg == im_end)[0]]
+    return out
+
+
+def select_positions(report, cfg, where: str | Path, tokens_of) -> Selection:
+    """Apply the selection policy of `cfg` (a SolveConfig) to a SetsReport. L47Error when there is nothing to
+    train on or no background; tokens_of(sha) gives a document's token ids (for the turn ends)."""
+    order = ContentOrder(report)
+
+    def by_order(xs, sha=lambda x: x.doc_sha256, pos=lambda x: x.pos):
+        return sorted(xs, key=lambda x: order(sha(x), pos(x)))
+
+    train = by_order([e for e in report.events if e.set == "train"])
+    dev = by_order([e for e in report.events if e.set == "dev"])
+    if not train:
+        raise L47Error(where, "train events", "at least one prefix-exact event with base p ≥ "
+                       f"{report.thresholds['non_event_p']} in accepted train documents", "none")
+    anchors = by_order([c for c in report.collateral if c.set == "collateral_anchor"])
+    anchors = thin_anchors(anchors, cfg.max_anchors_per_word, order)
+    accepted = [d for d in report.docs if not d.refused]
+    bg_docs = by_order([d for d in accepted if d.set == "background"], lambda d: d.sha256, lambda d: 0)
+    if not bg_docs:
+        raise L47Error(where, "sets.background", "at least one accepted background document (plain and chat)",
+                       "none")
+    bg, stride, total = background_positions(bg_docs, cfg.max_background)
+    im_end = report.special_ids.get(names.IM_END)
+    turn_ends = []
+    if cfg.protect_turn_ends and im_end is not None:
+        own = by_order([d for d in accepted if d.set in ("train", "dev")], lambda d: d.sha256, lambda d: 0)
+        turn_ends = turn_end_rows(bg_docs + own, int(im_end), tokens_of)
+    special = sorted(set(int(v) for v in report.special_ids.values()))
+    return Selection(train, dev, anchors, turn_ends, bg, len(bg_docs), total, stride, special,
+                     None if im_end is None else int(im_end))
