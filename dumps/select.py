@@ -278,7 +278,7 @@ def chat_structure(tokens, role, special_ids: Mapping[str, int]) -> ChatStructur
 
 
 # ----------------------------------------------------------------------------------------------------------
-# seeded split by document
+# seeded split by document, stratified per phrase
 
 
 @dataclass(frozen=True)
@@ -290,57 +290,101 @@ class SplitResult:
     warnings: tuple[str, ...]
 
 
+def phrase_split_counts(doc_counts: Mapping[str, Mapping[str, int]], assignment: Mapping[str, str],
+                        phrases: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
+    """phrase → split → events, from per-document event counts and a document → split assignment (documents
+    without an assignment are not counted). `phrases` adds phrases with no events (all zeros)."""
+    out: dict[str, dict[str, int]] = {p: {s: 0 for s in SPLITS} for p in (phrases or ())}
+    for k, c in doc_counts.items():
+        s = assignment.get(k)
+        for p, n in c.items():
+            row = out.setdefault(p, {x: 0 for x in SPLITS})
+            if s in row and n:
+                row[s] += int(n)
+    return out
+
+
 def split_documents(doc_counts: Mapping[str, Mapping[str, int]], seed: int,
                     fractions: Mapping[str, float] | None = None, min_heldout_frac: float = 0.30,
                     min_heldout_per_phrase: int = 3) -> SplitResult:
-    """Assign whole documents to train/dev/heldout, deterministically from `seed`.
+    """Assign whole documents to train/dev/heldout, deterministically from `seed`, stratified per phrase.
 
     doc_counts: document key (use a content hash: the split then does not depend on file names) → phrase →
-    events. Documents are visited in a seeded permutation of their sorted keys and each goes to the split whose
-    event share is furthest below its target fraction (documents without events: by document count). Then
-    train documents move to heldout (permutation order) until ≥ min_heldout_frac of events are held out, and
-    for each phrase with < min_heldout_per_phrase held-out events, while train keeps ≥ 1 event of it.
+    events. Iterative stratification (Sechidis et al. 2011) over phrases: the phrase with the fewest events
+    still unassigned is taken first, and its documents (seeded permutation of the sorted keys) go one by one
+    to the split that (1) has none of this phrase's events yet — so a phrase found in ≥ 3 documents gets train,
+    held-out and dev events, in that order — else (2) is furthest below its target share of this phrase's
+    events, then of all events. A document's events count for every phrase it holds, so documents with several
+    phrases are placed by their rarest phrase. Documents without events: by document count.
+    Then train documents move to heldout (permutation order) until ≥ min_heldout_frac of events are held out,
+    and for each phrase with < min_heldout_per_phrase held-out events; a move never leaves a phrase with no
+    train event.
     """
     fr = dict(fractions or {"train": 0.55, "dev": 0.10, "heldout": 0.35})
     keys = sorted(doc_counts)
     order = [keys[i] for i in np.random.default_rng(seed).permutation(len(keys))]
-    ev = {k: int(sum(doc_counts[k].values())) for k in keys}
+    rank = {k: i for i, k in enumerate(order)}
+    cnt = {k: {p: int(n) for p, n in doc_counts[k].items() if int(n) > 0} for k in keys}
+    ev = {k: sum(cnt[k].values()) for k in keys}
     total = sum(ev.values())
+    phrases = sorted({p for c in doc_counts.values() for p in c})
+    p_total = {p: sum(cnt[k].get(p, 0) for k in keys) for p in phrases}
     assign: dict[str, str] = {}
     got = {s: 0 for s in SPLITS}  # events per split
+    got_p = {p: {s: 0 for s in SPLITS} for p in phrases}  # phrase → split → events
+    left = {p: p_total[p] for p in phrases}  # events of unassigned documents
+
+    def place(k: str, s: str) -> None:
+        assign[k] = s
+        got[s] += ev[k]
+        for p, n in cnt[k].items():
+            got_p[p][s] += n
+            left[p] -= n
+
+    while True:
+        todo = [p for p in phrases if left[p] > 0]
+        if not todo:
+            break
+        p = min(todo, key=lambda q: (left[q], q))
+        for k in sorted((k for k in keys if k not in assign and cnt[k].get(p, 0)), key=rank.__getitem__):
+            empty = [s for s in SPLITS if got_p[p][s] == 0 and fr.get(s, 0) > 0]
+            cand = empty or [s for s in SPLITS if fr.get(s, 0) > 0] or list(SPLITS)
+            s = max(cand, key=lambda s: (fr.get(s, 0) * p_total[p] - got_p[p][s], fr.get(s, 0) * total - got[s],
+                                         -SPLITS.index(s)))
+            place(k, s)
     ndoc = {s: 0 for s in SPLITS}  # event-free documents per split
     n_free = sum(1 for k in keys if ev[k] == 0)
     for k in order:
-        if ev[k] > 0:
-            s = max(SPLITS, key=lambda s: (fr.get(s, 0) * total - got[s], -SPLITS.index(s)))
-            got[s] += ev[k]
-        else:
+        if ev[k] == 0:
             s = max(SPLITS, key=lambda s: (fr.get(s, 0) * n_free - ndoc[s], -SPLITS.index(s)))
             ndoc[s] += 1
-        assign[k] = s
+            assign[k] = s
 
-    def count(phrase: str, split: str) -> int:
-        return sum(doc_counts[k].get(phrase, 0) for k in keys if assign[k] == split)
+    def movable(k: str) -> bool:
+        """train → heldout leaves every phrase of k with ≥ 1 train event."""
+        return assign[k] == "train" and ev[k] > 0 and all(got_p[p]["train"] - n >= 1 for p, n in cnt[k].items())
+
+    def move(k: str) -> None:
+        got["train"] -= ev[k]
+        got["heldout"] += ev[k]
+        for p, n in cnt[k].items():
+            got_p[p]["train"] -= n
+            got_p[p]["heldout"] += n
+        assign[k] = "heldout"
 
     # ≥ min_heldout_frac of all events held out
     for k in order:
         if total == 0 or got["heldout"] >= min_heldout_frac * total:
             break
-        if assign[k] == "train" and ev[k] > 0:
-            assign[k] = "heldout"
-            got["train"] -= ev[k]
-            got["heldout"] += ev[k]
-    phrases = sorted({p for c in doc_counts.values() for p in c})
+        if movable(k):
+            move(k)
     for p in phrases:
         for k in order:
-            if count(p, "heldout") >= min_heldout_per_phrase:
+            if got_p[p]["heldout"] >= min_heldout_per_phrase:
                 break
-            n = doc_counts[k].get(p, 0)
-            if assign[k] == "train" and n > 0 and count(p, "train") - n >= 1:
-                assign[k] = "heldout"
-                got["train"] -= ev[k]
-                got["heldout"] += ev[k]
-    counts = {p: {s: count(p, s) for s in SPLITS} for p in phrases}
+            if cnt[k].get(p, 0) and movable(k):
+                move(k)
+    counts = phrase_split_counts(cnt, assign, phrases)
     frac = got["heldout"] / total if total else 0.0
     warns = []
     if total and frac < min_heldout_frac:
@@ -348,6 +392,10 @@ def split_documents(doc_counts: Mapping[str, Mapping[str, int]], seed: int,
     for p in phrases:
         if counts[p]["heldout"] < min_heldout_per_phrase:
             warns.append(f"phrase {p!r}: {counts[p]['heldout']} held-out events (< {min_heldout_per_phrase})")
+        missing = [s for s in ("train", "dev") if counts[p][s] == 0 and fr.get(s, 0) > 0]
+        if missing and p_total[p]:
+            warns.append(f"phrase {p!r}: no {' and no '.join(missing)} events ({p_total[p]} events in "
+                         f"{sum(1 for k in keys if cnt[k].get(p))} document(s): add documents that use it)")
     return SplitResult(assign, counts, dict(got), frac, tuple(warns))
 
 
@@ -539,6 +587,6 @@ def guard_document(text: str, *, logp_target=None, top_logp=None, role=None, pro
 __all__ = [
     "SPLITS", "PhraseIssue", "PhraseTuples", "surface_variants", "phrase_tuples", "phrases_to_tuples", "Event",
     "occurrences", "find_events", "Collateral", "find_collateral", "ChatStructure", "chat_structure",
-    "SplitResult", "split_documents", "ngram_repeat_rate", "dup_line_rate", "SamplerCheck", "sampler_violations",
+    "SplitResult", "phrase_split_counts", "split_documents", "ngram_repeat_rate", "dup_line_rate", "SamplerCheck", "sampler_violations",
     "GuardResult", "provenance_reasons", "guard_document",
 ]

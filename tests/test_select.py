@@ -205,6 +205,41 @@ def test_split_warns_naming_the_phrase():
     assert res.heldout_frac in (0.0, 1.0)
 
 
+def test_split_stratified_every_phrase_gets_train_dev_heldout():
+    """The case of issue 12: a rare phrase whose few documents an unstratified split put all outside train and
+    dev. Stratified: every phrase found in >= 3 documents has events in all three splits, also when its
+    documents also hold common phrases; re-derived here from the assignment."""
+    from l47.dumps.select import phrase_split_counts
+
+    for seed in range(12):
+        rng = np.random.default_rng(100 + seed)
+        counts = {f"c{i:03d}": {"common": int(rng.integers(1, 4))} for i in range(60)}
+        for i in range(4):  # "rare" only in 4 documents, each also holding "common" (and one "other")
+            counts[f"c{i * 7:03d}"]["rare"] = 1
+        for i in range(3):
+            counts[f"c{i * 5 + 1:03d}"]["other"] = 2
+        res = split_documents(counts, seed=seed)
+        mine = phrase_split_counts(counts, res.assignment)
+        assert mine == res.counts
+        for p in ("common", "rare", "other"):
+            got = {s: sum(c.get(p, 0) for d, c in counts.items() if res.assignment[d] == s)
+                   for s in ("train", "dev", "heldout")}
+            assert got == res.counts[p]
+            assert min(got.values()) >= 1, (seed, p, got)
+        held = sum(sum(counts[d].values()) for d, s in res.assignment.items() if s == "heldout")
+        assert held / sum(sum(c.values()) for c in counts.values()) >= 0.30
+
+
+def test_split_two_document_phrase_keeps_train_and_heldout_and_warns_dev():
+    counts = {f"d{i}": {"common": 2} for i in range(20)}
+    counts["d3"]["rare"] = 1
+    counts["d11"]["rare"] = 2
+    res = split_documents(counts, seed=0, min_heldout_per_phrase=1)
+    assert res.counts["rare"]["train"] >= 1 and res.counts["rare"]["heldout"] >= 1
+    assert res.counts["rare"]["dev"] == 0
+    assert any("'rare'" in w and "no dev" in w for w in res.warnings)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # guards
 

@@ -60,15 +60,21 @@ special_margin = 0.1
 """
 
 
-def write_experiment(out: Path, model: Path, d: dict[str, list[Path]], solver: str = SOLVER) -> Path:
-    """The demo's experiment file: generated turns split by document into train/dev/heldout; human-written
-    chat as chat_heldout; collateral documents alternately protected (anchor) and scored (eval)."""
+def write_experiment(out: Path, model: Path, d: dict[str, list[Path]], solver: str = SOLVER, *,
+                     phrases=PHRASES, words=WORDS, name: str = "l47 demo") -> Path:
+    """The demo's experiment file: generated turns (and written chats, `pool_chat`) split by document into
+    train/dev/heldout; human-written chat as chat_heldout; collateral documents alternately protected (anchor)
+    and scored (eval). Other models (scripts/bench_efficacy.py): their phrases; `words` empty = the phrases'
+    final tokens; `solver` empty = the toolkit's defaults."""
     coll = sorted(d["collateral"])
     anchor, evalc = coll[0::2], coll[1::2]
     kld = "\n".join(f"{k.removeprefix('kld_')} = {_toml_list(v)}" for k, v in sorted(d.items())
                     if k.startswith("kld_"))
-    phrases = "\n".join(f'[[phrases]]\ntext = "{p}"\n' for p in PHRASES)
-    text = f'''name = "l47 demo"
+    phrase_toml = "\n".join(f'[[phrases]]\ntext = "{p}"\n' for p in phrases)
+    pool = sorted(d.get("generated", [])) + sorted(d.get("pool_chat", []))
+    collateral = f"[collateral]\nwords = {json.dumps(list(words))}\n" if words else ""
+    blind = f"blind = {_toml_list(sorted(d['blind']))}\n" if d.get("blind") else ""
+    text = f'''name = {json.dumps(name)}
 model = {json.dumps(str(model))}
 policy = "strata"
 
@@ -77,27 +83,28 @@ collateral_anchor = {_toml_list(anchor)}
 collateral_eval = {_toml_list(evalc)}
 background = {_toml_list(sorted(d["background"]))}
 chat_heldout = {_toml_list(sorted(d["heldout_chat"]))}
-blind = {_toml_list(sorted(d["blind"]))}
-
+{blind}
 [sets.kld]
 {kld}
 
 [split]
-pool = {_toml_list(sorted(d["generated"]))}
+pool = {_toml_list(pool)}
 seed = 0
 
-{phrases}
-[collateral]
-words = {json.dumps(list(WORDS))}
-{solver}
+{phrase_toml}
+{collateral}{solver}
 '''
     from l47.fileio import write_text_atomic
 
     return write_text_atomic(out / "experiment.toml", text)
 
 
-INPUTS = ("heldout_chat", "collateral", "background", "kld_ops_tools", "kld_chat_json", "kld_prose", "blind")
-FILES = {"heldout_chat": "heldout_chat.jsonl", "collateral": "collateral.jsonl", "background": "background.jsonl",
+INPUTS = ("pool_chat", "heldout_chat", "collateral", "background", "kld_ops_tools", "kld_chat_json", "kld_prose",
+          "blind")
+# pool_chat: written chats that join the generated turns in the split pool, so that every phrase has >= 10 train
+# and >= 10 held-out events (scripts/make_demo_pool.py; the model's ~96-token generations hold ~1 event each)
+FILES = {"pool_chat": "pool_chat.jsonl", "heldout_chat": "heldout_chat.jsonl", "collateral": "collateral.jsonl",
+         "background": "background.jsonl",
          "kld_ops_tools": "kld_ops_tools.jsonl", "kld_chat_json": "kld_chat_json.jsonl",
          "kld_prose": "kld_prose.jsonl", "blind": "blind_chat.jsonl"}
 
@@ -178,6 +185,8 @@ def run_demo(args: DemoArgs, console) -> int:
     s = run_dump("hf", model, prompts, out / "dumps" / "generated", generate=gen, console=console)
     dirs["generated"] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
     for k in INPUTS:
+        if k == "pool_chat" and not (DATA / FILES[k]).is_file():
+            continue
         s = run_dump("hf", model, DATA / FILES[k], out / "dumps" / k, console=console)
         dirs[k] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
     exp = write_experiment(out, model, dirs)

@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Efficacy benchmark (issue 12 item 11): the whole workflow on each shipped model, with the toolkit's defaults.
+
+Per model (the demo, model2) and per method (wfld, ftpo):
+    dump (hf engine) -> experiment.toml with NO [solver] table (no per-model knob) -> sets -> solve -> audit
+and it records: events per phrase per split, per-phrase dev and held-out residual (mean p(rejected) after /
+before, with a bootstrap-over-documents 90 % interval), exact vs predicted background KL, every bar's value
+and verdict, wall time per step. A method that fails (an L47Error such as an infeasible solve) is recorded
+with its message; the benchmark goes on.
+
+Usage:
+    python scripts/bench_efficacy.py --out /tmp/bench_efficacy                 # both models, both methods
+    python scripts/bench_efficacy.py --models model2 --methods wfld --small   # reduced size (the e2e test)
+    python scripts/bench_efficacy.py --out DIR --markdown docs/BENCHMARKS.md  # append the table
+
+Outputs: DIR/<model>/ (dumps, experiment.toml, sets.json, <method>/bundle.gguf, <method>/audit/), DIR/results.json
+(everything above) and DIR/results.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One shipped model and its documents. `pool_generate`: prompts whose sampled turns join the split pool;
+    `pool_written`: written chats that join it. Sizes are caps on the documents used (None = all)."""
+
+    name: str
+    model: Path
+    data: Path
+    phrases: tuple[str, ...]
+    kld: tuple[str, ...]  # jsonl stems, each a KLD domain
+    pool_generate: str | None = "prompts.jsonl"
+    pool_written: str | None = None
+    caps: dict = field(default_factory=dict)
+
+
+def specs() -> dict[str, ModelSpec]:
+    from l47.app import demo
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_model2 as m2
+
+    d2 = REPO / "l47" / "testing" / "model2"
+    demo_pool = "pool_chat.jsonl" if (demo.DATA / "pool_chat.jsonl").is_file() else None
+    return {
+        "demo": ModelSpec("demo", demo.MODEL, demo.DATA, tuple(demo.PHRASES),
+                          ("kld_ops_tools", "kld_chat_json", "kld_prose"), "prompts.jsonl", demo_pool),
+        "model2": ModelSpec("model2", d2 / "model2.gguf", d2, tuple(m2.PHRASES),
+                            ("kld_order_json", "kld_recipes", "kld_support"), None, "pool_chat.jsonl"),
+    }
+
+
+SMALL = {"prompts": 8, "pool_chat": 48, "heldout_chat": 6, "collateral": 16, "background": 6, "kld": 3}
+
+
+def _subset(src: Path, dst: Path, n: int | None) -> Path:
+    from l47.fileio import write_text_atomic
+
+    lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
+    return write_text_atomic(dst, "\n".join(lines[: n or len(lines)]) + "\n")
+
+
+def _paths(summary) -> list[Path]:
+    return [Path(r.path) for r in summary.results if r.path and r.status in ("written", "skipped")]
+
+
+def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -> dict[str, list[Path]]:
+    """Every document set of the model through the hf engine (sampled turns for the prompts)."""
+    from l47.app.dumping import GenerateOptions, run_dump
+
+    inputs = out / "inputs"
+    dirs: dict[str, list[Path]] = {}
+    if spec.pool_generate and caps.get("prompts", 1) != 0:
+        p = _subset(spec.data / spec.pool_generate, inputs / "prompts.jsonl", caps.get("prompts"))
+        gen = GenerateOptions(max_new_tokens=max_new_tokens, seed=0, temperature=0.7, top_p=0.9, top_k=40)
+        dirs["generated"] = _paths(run_dump("hf", spec.model, p, out / "dumps" / "generated", generate=gen,
+                                            console=None))
+        log(f"{spec.name}: generated {len(dirs['generated'])}")
+    sets = {"heldout_chat": "heldout_chat", "collateral": "collateral", "background": "background",
+            **{k: k for k in spec.kld}}
+    if spec.pool_written:
+        sets["pool_chat"] = spec.pool_written.removesuffix(".jsonl")
+    for key, stem in sets.items():
+        cap = caps.get("kld") if key.startswith("kld_") else caps.get(key)
+        src = _subset(spec.data / f"{stem}.jsonl", inputs / f"{stem}.jsonl", cap)
+        dirs[key] = _paths(run_dump("hf", spec.model, src, out / "dumps" / key, console=None))
+        log(f"{spec.name}: {key} {len(dirs[key])}")
+    dirs.setdefault("blind", [])
+    return dirs
+
+
+def _per_phrase(slop_set: dict | None) -> dict:
+    """phrase -> {n, p_before, residual, lo, hi} from an audit slop block (its event rows)."""
+    from l47.data.uncertainty import per_phrase_bootstrap
+
+    if not slop_set or not slop_set.get("events"):
+        return {}
+    boot = per_phrase_bootstrap(slop_set["events"])
+    out = {}
+    for ph, b in boot.items():
+        rows = [r for r in slop_set["events"] if ph == "(all)" or r["phrase"] == ph]
+        out[ph] = {"n": b["n_events"], "docs": b["n_docs"], "p_before": sum(r["p_before"] for r in rows) / len(rows),
+                   "residual": b["value"], "lo": b["lo"], "hi": b["hi"]}
+    return out
+
+
+def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, max_new_tokens: int, log) -> dict:
+    from l47.app.demo import write_experiment
+    from l47.data.sets import build_sets, write_sets_json
+    from l47.dumps.select import SPLITS
+    from l47.errors import L47Error
+    from l47.evals.audit import AuditArgs, run_audit
+    from l47.solvers.solve import SolveArgs, run_solve
+
+    res: dict = {"model": str(spec.model), "methods": {}}
+    t0 = time.time()
+    dirs = dump_all(spec, out, caps, max_new_tokens, log)
+    res["dump_s"] = round(time.time() - t0, 1)
+    exp = write_experiment(out, spec.model.resolve(), dirs, solver="", phrases=spec.phrases, words=(),
+                           name=f"bench {spec.name}")
+    t0 = time.time()
+    report = build_sets(exp)
+    sets_json = write_sets_json(report, out / "sets.json")
+    res["sets_s"] = round(time.time() - t0, 1)
+    counts = report.counts("events")
+    res["events"] = {ph: {s: c.get(s, 0) for s in (*SPLITS, "chat_heldout")} for ph, c in counts.items()}
+    res["sets_warnings"] = list(report.warnings)
+    for method in methods:
+        m: dict = {}
+        res["methods"][method] = m
+        mdir = out / method
+        mdir.mkdir(parents=True, exist_ok=True)
+        bundle = mdir / "bundle.gguf"
+        t0 = time.time()
+        try:
+            claims = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json),
+                               log=lambda s: None)
+        except L47Error as e:
+            m.update(solve_error=str(e), solve_s=round(time.time() - t0, 1))
+            log(f"{spec.name}/{method}: solve refused: {e}")
+            continue
+        m["solve_s"] = round(time.time() - t0, 1)
+        m["background_kl_exact"] = claims.get("background_kl_exact")
+        m["background_kl_predicted"] = claims.get("background_kl_predicted")
+        m["solver"] = {k: v for k, v in claims.items() if k in ("stop_reason", "stopped", "max_violation",
+                                                                "iterations", "anchors", "ftpo")}
+        t0 = time.time()
+        try:
+            a = run_audit(AuditArgs(bundle, spec.model, exp, mdir / "audit", ledger=mdir / "ledger.jsonl",
+                                    plots=False))
+        except L47Error as e:
+            m.update(audit_error=str(e), audit_s=round(time.time() - t0, 1))
+            continue
+        m["audit_s"] = round(time.time() - t0, 1)
+        rep = a.report
+        m["passed"] = a.passed
+        m["bars"] = {b["name"]: {"value": b.get("value"), "passed": b.get("passed"),
+                                 "applicable": b.get("applicable", True)} for b in rep["bars"]}
+        per_set = (rep.get("slop") or {}).get("per_set") or {}
+        m["dev"] = _per_phrase(per_set.get("dev"))
+        m["heldout"] = _per_phrase(per_set.get("heldout"))
+        m["chat_heldout"] = _per_phrase(per_set.get("chat_heldout"))
+        log(f"{spec.name}/{method}: audit {'PASS' if a.passed else 'FAIL'}; held-out residual "
+            f"{(m['heldout'].get('(all)') or {}).get('residual')}")
+    return res
+
+
+def _f(x, nd=3) -> str:
+    return "—" if x is None else f"{x:.{nd}g}" if isinstance(x, float) else str(x)
+
+
+def markdown(results: dict) -> str:
+    """The BENCHMARKS.md section: one table of per-phrase residuals and one of KL, bars and times."""
+    lines = [f"## Efficacy (issue 12): defaults, no per-model knob — commit `{results['commit']}`", "",
+             f"`python scripts/bench_efficacy.py {results['args']}` on {results['machine']}; residual = mean "
+             "p(rejected) after / before at a split's events (90 % bootstrap interval over documents).", ""]
+    for name, r in results["models"].items():
+        lines += [f"### {name} (`{Path(r['model']).name}`)", "",
+                  "| phrase | events train/dev/held-out | " +
+                  " | ".join(f"{m} dev | {m} held-out" for m in r["methods"]) + " |",
+                  "|---|---|" + "---|---|" * len(r["methods"])]
+        for ph, ev in list(r["events"].items()) + [("(all)", None)]:
+            cells = [ph, "" if ev is None else f"{ev['train']}/{ev['dev']}/{ev['heldout']}"]
+            for m in r["methods"].values():
+                for split in ("dev", "heldout"):
+                    x = (m.get(split) or {}).get(ph)
+                    cells.append("—" if not x or x["residual"] is None else
+                                 f"{x['residual']:.2f} [{_f(x['lo'], 2)}, {_f(x['hi'], 2)}]")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "| method | verdict | bg KL exact | bg KL predicted | failed bars | solve s | audit s |",
+                  "|---|---|---|---|---|---|---|"]
+        for mn, m in r["methods"].items():
+            if "solve_error" in m:
+                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | {m['solve_s']} | |")
+                continue
+            failed = [k for k, b in (m.get("bars") or {}).items() if b["applicable"] and b["passed"] is False]
+            lines.append(f"| {mn} | {'PASS' if m.get('passed') else 'FAIL'} | {_f(m.get('background_kl_exact'))} | "
+                         f"{_f(m.get('background_kl_predicted'))} | {', '.join(failed) or 'none'} | "
+                         f"{m.get('solve_s')} | {m.get('audit_s', '—')} |")
+        bars = sorted({k for m in r["methods"].values() for k in (m.get("bars") or {})})
+        if bars:
+            lines += ["", "| bar | " + " | ".join(r["methods"]) + " |", "|---|" + "---|" * len(r["methods"])]
+            for b in bars:
+                row = []
+                for m in r["methods"].values():
+                    x = (m.get("bars") or {}).get(b)
+                    row.append("—" if not x else f"{_f(x['value'])} {'✓' if x['passed'] else '✗' if x['passed'] is False else ''}")
+                lines.append(f"| {b} | " + " | ".join(row) + " |")
+        lines += ["", f"dump {r['dump_s']} s, sets {r['sets_s']} s; sets warnings: "
+                  f"{'; '.join(r['sets_warnings']) or 'none'}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="/tmp/l47_bench_efficacy")
+    ap.add_argument("--models", default="demo,model2")
+    ap.add_argument("--methods", default="wfld,ftpo")
+    ap.add_argument("--small", action="store_true", help="reduced document counts (the end-to-end test)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--markdown", default="", help="append the section to this file (docs/BENCHMARKS.md)")
+    a = ap.parse_args(argv)
+    import platform
+
+    import torch
+
+    out = Path(a.out).resolve()
+    sp = specs()
+    models = [m for m in a.models.split(",") if m]
+    bad = [m for m in models if m not in sp]
+    if bad:
+        print(f"--models: unknown {bad}; expected some of {sorted(sp)}", file=sys.stderr)
+        return 2
+    methods = tuple(x for x in a.methods.split(",") if x)
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    results = {"commit": commit, "args": " ".join(argv if argv is not None else sys.argv[1:]),
+               "machine": f"{platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
+               "models": {}}
+    for name in models:
+        t0 = time.time()
+        results["models"][name] = run_model(sp[name], out / name, methods, SMALL if a.small else {},
+                                            a.max_new_tokens, lambda s: print(s, flush=True))
+        results["models"][name]["total_s"] = round(time.time() - t0, 1)
+    from l47.fileio import write_text_atomic
+
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
+    md = markdown(results)
+    write_text_atomic(out / "results.md", md)
+    if a.markdown:
+        p = Path(a.markdown)
+        write_text_atomic(p, p.read_text() + "\n" + md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""model2 end to end at reduced size, as the efficacy benchmark runs it (scripts/bench_efficacy.py): dump (hf
+engine) -> an experiment file with NO [solver] table -> sets -> WFLD solve -> audit. Figures re-derived here from
+the written files: the stratified split's per-phrase events from sets.json, the model's base p at its
+near-certain phrases, the per-phrase held-out residual from the audit's event rows, the bundle's bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+TINY = {"prompts": 0, "pool_chat": 30, "heldout_chat": 3, "collateral": 8, "background": 4, "kld": 2}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    import bench_efficacy as be
+
+    out = tmp_path_factory.mktemp("model2")
+    spec = be.specs()["model2"]
+    res = be.run_model(spec, out, ("wfld",), TINY, 32, lambda s: None)
+    return out, res
+
+
+def test_experiment_has_no_per_model_knob(run):
+    out, _ = run
+    exp = tomllib.loads((out / "experiment.toml").read_text())
+    assert "solver" not in exp and "collateral" not in exp  # defaults only; collateral words from the phrases
+    assert len(exp["phrases"]) == 5
+
+
+def test_split_covers_every_phrase(run):
+    out, res = run
+    sets = json.loads((out / "sets.json").read_text())
+    mine: dict[str, dict[str, int]] = {}
+    for e in sets["events"]:
+        mine.setdefault(e["phrase"], {}).setdefault(e["set"], 0)
+        mine[e["phrase"]][e["set"]] += 1
+    for ph, c in res["events"].items():
+        assert {k: v for k, v in c.items() if v} == mine[ph], ph
+        assert c["train"] >= 1 and c["heldout"] >= 1, (ph, c)  # stratified: nothing left without train/held-out
+    # the model learned its near-certain phrases (an untrained model: ~1/V)
+    for ph in ("above and beyond", "delve into", "second to none"):
+        p = [e["p_base"] for e in sets["events"] if e["phrase"] == ph]
+        assert len(p) >= 5 and np.mean(p) >= 0.98, (ph, np.mean(p))
+
+
+def test_solve_and_audit_figures(run):
+    out, res = run
+    m = res["methods"]["wfld"]
+    assert "solve_error" not in m and "audit_error" not in m, m
+    assert math.isfinite(m["background_kl_exact"]) and m["background_kl_exact"] >= 0
+    rep = json.loads((out / "wfld" / "audit" / "report.json").read_text())
+    bars = {b["name"]: b for b in rep["bars"]}
+    assert bars["bundle.only_target"]["passed"] and {k: v["value"] for k, v in m["bars"].items()} == \
+        {k: b.get("value") for k, b in bars.items()}
+    rows = rep["slop"]["per_set"]["heldout"]["events"]
+    for ph, x in m["heldout"].items():
+        rs = [r for r in rows if ph == "(all)" or r["phrase"] == ph]
+        assert x["n"] == len(rs)
+        assert x["residual"] == pytest.approx(sum(r["p_after"] for r in rs) / sum(r["p_before"] for r in rs))
+        if x["lo"] is not None:
+            assert x["lo"] <= x["residual"] <= x["hi"]
+    # the held-out residual the audit's slop bar reads is the pooled one
+    assert bars["c.slop"]["value"] == pytest.approx(1 - m["heldout"]["(all)"]["residual"], abs=1e-9)
