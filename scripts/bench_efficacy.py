@@ -100,17 +100,39 @@ def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -
     return dirs
 
 
-def _per_phrase(slop_set: dict | None) -> dict:
-    """phrase -> {n, p_before, residual, lo, hi} from an audit slop block (its event rows)."""
+def event_rows(sets_json: Path, positions_tsv: Path) -> dict[str, list[dict]]:
+    """split -> event rows {doc_sha256, phrase, p_before, p_after}: the events of sets.json joined with the
+    audit's per-position table (its `slop` rows: log p of the target under base and bundle)."""
+    import math
+
+    logp: dict[tuple[str, int], tuple[float, float]] = {}
+    lines = positions_tsv.read_text(encoding="utf-8").split("\n")
+    head = lines[0].split("\t")
+    col = {k: head.index(k) for k in ("kind", "doc_sha256", "pos", "logp_base", "logp_new")}
+    for ln in lines[1:]:
+        r = ln.split("\t")
+        if len(r) == len(head) and r[col["kind"]] == "slop":
+            logp[(r[col["doc_sha256"]], int(r[col["pos"]]))] = (float(r[col["logp_base"]]), float(r[col["logp_new"]]))
+    out: dict[str, list[dict]] = {}
+    for e in json.loads(sets_json.read_text())["events"]:
+        lp = logp.get((e["doc_sha256"], int(e["pos"])))
+        if lp is not None:
+            out.setdefault(e["set"], []).append({"doc_sha256": e["doc_sha256"], "phrase": e["phrase"],
+                                                 "p_before": math.exp(lp[0]), "p_after": math.exp(lp[1])})
+    return out
+
+
+def _per_phrase(rows: list[dict] | None) -> dict:
+    """phrase (and "(all)") -> {n, docs, p_before, residual, lo, hi}: residual = Σ p_after / Σ p_before over
+    the phrase's events, its 90 % interval a bootstrap over documents (l47.data.uncertainty)."""
     from l47.data.uncertainty import per_phrase_bootstrap
 
-    if not slop_set or not slop_set.get("events"):
+    if not rows:
         return {}
-    boot = per_phrase_bootstrap(slop_set["events"])
     out = {}
-    for ph, b in boot.items():
-        rows = [r for r in slop_set["events"] if ph == "(all)" or r["phrase"] == ph]
-        out[ph] = {"n": b["n_events"], "docs": b["n_docs"], "p_before": sum(r["p_before"] for r in rows) / len(rows),
+    for ph, b in per_phrase_bootstrap(rows).items():
+        rs = [r for r in rows if ph == "(all)" or r["phrase"] == ph]
+        out[ph] = {"n": b["n_events"], "docs": b["n_docs"], "p_before": sum(r["p_before"] for r in rs) / len(rs),
                    "residual": b["value"], "lo": b["lo"], "hi": b["hi"]}
     return out
 
@@ -167,10 +189,9 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         m["passed"] = a.passed
         m["bars"] = {b["name"]: {"value": b.get("value"), "passed": b.get("passed"),
                                  "applicable": b.get("applicable", True)} for b in rep["bars"]}
-        per_set = (rep.get("slop") or {}).get("per_set") or {}
-        m["dev"] = _per_phrase(per_set.get("dev"))
-        m["heldout"] = _per_phrase(per_set.get("heldout"))
-        m["chat_heldout"] = _per_phrase(per_set.get("chat_heldout"))
+        rows = event_rows(sets_json, Path(a.out_dir) / "positions.tsv")
+        for split in ("dev", "heldout", "chat_heldout"):
+            m[split] = _per_phrase(rows.get(split))
         log(f"{spec.name}/{method}: audit {'PASS' if a.passed else 'FAIL'}; held-out residual "
             f"{(m['heldout'].get('(all)') or {}).get('residual')}")
     return res
