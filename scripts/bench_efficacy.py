@@ -20,6 +20,7 @@ Outputs: DIR/<model>/ (dumps, experiment.toml, sets.json, <method>/bundle.gguf, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -166,17 +167,18 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         bundle = mdir / "bundle.gguf"
         t0 = time.time()
         try:
-            claims = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json),
-                               log=lambda s: None)
+            solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json))
         except L47Error as e:
             m.update(solve_error=str(e), solve_s=round(time.time() - t0, 1))
             log(f"{spec.name}/{method}: solve refused: {e}")
             continue
         m["solve_s"] = round(time.time() - t0, 1)
-        m["background_kl_exact"] = claims.get("background_kl_exact")
-        m["background_kl_predicted"] = claims.get("background_kl_predicted")
-        m["solver"] = {k: v for k, v in claims.items() if k in ("stop_reason", "stopped", "max_violation",
-                                                                "iterations", "anchors", "ftpo")}
+        c = solved.claims
+        m["background_kl_exact"] = c.background_kl_exact
+        m["background_kl_predicted"] = c.background_kl_predicted
+        m["dW_rel_norm"] = c.dW_rel_norm
+        m["convergence"] = dataclasses.asdict(c.convergence) if c.convergence is not None else None
+        m["anchors"] = dataclasses.asdict(c.anchors) if c.anchors is not None else None
         t0 = time.time()
         try:
             a = run_audit(AuditArgs(bundle, spec.model, exp, mdir / "audit", ledger=mdir / "ledger.jsonl",
@@ -219,15 +221,17 @@ def markdown(results: dict) -> str:
                     cells.append("—" if not x or x["residual"] is None else
                                  f"{x['residual']:.2f} [{_f(x['lo'], 2)}, {_f(x['hi'], 2)}]")
             lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "| method | verdict | bg KL exact | bg KL predicted | failed bars | solve s | audit s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| method | verdict | bg KL exact | bg KL predicted | ‖ΔW‖/‖W‖ | stop | failed bars | solve s | "
+                  "audit s |", "|---|---|---|---|---|---|---|---|---|"]
         for mn, m in r["methods"].items():
             if "solve_error" in m:
-                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | {m['solve_s']} | |")
+                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | | | {m['solve_s']} | |")
                 continue
             failed = [k for k, b in (m.get("bars") or {}).items() if b["applicable"] and b["passed"] is False]
+            conv = m.get("convergence") or {}
             lines.append(f"| {mn} | {'PASS' if m.get('passed') else 'FAIL'} | {_f(m.get('background_kl_exact'))} | "
-                         f"{_f(m.get('background_kl_predicted'))} | {', '.join(failed) or 'none'} | "
+                         f"{_f(m.get('background_kl_predicted'))} | {_f(m.get('dW_rel_norm'))} | "
+                         f"{conv.get('stop_reason') or '—'} | {', '.join(failed) or 'none'} | "
                          f"{m.get('solve_s')} | {m.get('audit_s', '—')} |")
         bars = sorted({k for m in r["methods"].values() for k in (m.get("bars") or {})})
         if bars:
