@@ -418,12 +418,14 @@ def build_eval_docs(seed: int) -> dict[str, list[dict]]:
     coll, counts = [], {w: 0 for w in FINALS}
     while min(counts.values()) < 25 or len(coll) < 40:
         u = rc.random()
-        text = recipe(rc) if u < 0.45 else review(rc, 0.0) if u < 0.8 else render_chat(support_chat(rc, phrases=()))
+        doc = {"text": recipe(rc)} if u < 0.45 else {"text": review(rc, 0.0)} if u < 0.8 else \
+            {"messages": support_chat(rc, phrases=())}
+        text = dc.doc_text(doc)
         if any(count_banned(text).values()):
             continue
         for w, c in count_ordinary(text).items():
             counts[w] += c
-        coll.append({"id": f"m2-collateral-{len(coll):03d}", "text": text})
+        coll.append({"id": f"m2-collateral-{len(coll):03d}", **doc})
     out["collateral"] = coll
     rb = r("background")
     out["background"] = [{"id": f"m2-background-{i:02d}", "text": recipe(rb) if i % 4 == 0 else review(rb, 0.0)}

@@ -158,15 +158,18 @@ def test_model_learned_the_phrases(vocab, hf_model):
 
 @torch.no_grad()
 def test_heldout_natural_text_ce(vocab, hf_model):
+    """One forward per document (`<|endoftext|>doc`): the model was trained on 512-token windows and is not
+    meant for longer contexts (a 3,000-token pack of these documents scores ~3.7 nats: docs/MODEL2.md)."""
     eot = vocab.special_ids[names.ENDOFTEXT]
-    ids, scored = [eot], []
-    for d in _jsonl("collateral")[:20]:
-        doc = vocab.encode(d["text"])
-        scored += range(len(ids), len(ids) + len(doc) - 1)
-        ids += doc + [eot]
-    lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)  # [T, V]
-    t = torch.tensor(scored)
-    assert -float(lp[t, torch.tensor(ids)[t + 1]].mean()) <= 0.25 * math.log(vocab.size)
+    nll, n = 0.0, 0
+    for d in [d for d in _jsonl("collateral") if "text" in d][:20]:
+        ids = [eot] + vocab.encode(d["text"])
+        assert len(ids) <= 512
+        lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)  # [T, V]
+        t = torch.arange(1, len(ids) - 1)  # positions predicting the doc's 2nd..last token
+        nll -= float(lp[t, torch.tensor(ids)[t + 1]].sum())
+        n += len(t)
+    assert nll / n <= 0.25 * math.log(vocab.size)
 
 
 def test_documents_regenerate_and_meet_counts():
@@ -184,9 +187,11 @@ def test_documents_regenerate_and_meet_counts():
         assert min(c.values()) >= least, (name, c)
     coll = {w: 0 for w in m2.FINALS}
     for d in ev["collateral"]:
-        assert not any(m2.count_banned(d["text"]).values())
-        for w, c in m2.count_ordinary(d["text"]).items():
+        text = _render(d["messages"]) if "messages" in d else d["text"]
+        assert names.IM_START not in d.get("text", "")  # chats are chat documents, never markup in plain text
+        assert not any(m2.count_banned(text).values())
+        for w, c in m2.count_ordinary(text).items():
             coll[w] += c
     assert min(coll.values()) >= 25
-    near = m2.count_near_miss(" ".join(d["text"] for d in ev["collateral"]) + assistant(ev["pool_chat"]))
+    near = m2.count_near_miss(" ".join(d.get("text", "") for d in ev["collateral"]) + assistant(ev["pool_chat"]))
     assert near["rest assured"] > 0 and near["hands down"] > 0  # near misses of the same prefixes
