@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from l47.errors import L47Error
+from l47.fileio import atomic_open
 from l47.model.names import ROLE_ID, ROLES
 
 SCHEMA_VERSION = 1
@@ -84,6 +84,16 @@ PROV_GENERATED = "generated"
 PROV_WRITTEN = "written"
 PROV_MIXED = "mixed"
 PROVENANCES = (PROV_GENERATED, PROV_WRITTEN, PROV_MIXED)
+
+
+def provenance_of(role: np.ndarray, generated: np.ndarray | None = None) -> dict:
+    """Per role present among the targets: written / generated / mixed. role [T] uint8, generated [T] bool
+    (None: nothing generated)."""
+    out = {}
+    for code in np.unique(role):
+        g = generated[role == code] if generated is not None else np.zeros(1, bool)
+        out[ROLES[int(code)]] = PROV_GENERATED if g.all() else (PROV_MIXED if g.any() else PROV_WRITTEN)
+    return out
 PROV_GENERATION = "generation"  # optional provenance entry: how the generated text was sampled
 GENERATION_FIELDS = {"prompt": str, "seed": int, "sampler": dict, "model": str}
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k")
@@ -170,8 +180,8 @@ _META_OPTIONAL = ("roles", "source")
 _DIMS = ("n", "f", "hc", "r", "V")
 
 
-def _is(v: Any, t) -> bool:
-    """isinstance, except that a JSON bool is not an int."""
+def is_json_type(v: Any, t) -> bool:
+    """isinstance for parsed JSON, except that a bool is not a number (JSON true is no int)."""
     if isinstance(v, bool) and t in (int, float, (int, float)):
         return False
     return isinstance(v, t)
@@ -184,14 +194,14 @@ def meta_problems(d: Mapping[str, Any]) -> list[str]:
         if k not in d:
             if k not in _META_OPTIONAL:
                 out.append(f"meta.{k}: expected present, found missing")
-        elif not _is(d[k], t):
+        elif not is_json_type(d[k], t):
             tn = "list of str" if k == "roles" else t.__name__
             out.append(f"meta.{k}: expected {tn}, found {type(d[k]).__name__} {d[k]!r:.60}")
     for k in sorted(set(d) - set(_META_TYPES)):
         out.append(f"meta.{k}: expected no such field (schema_version {SCHEMA_VERSION}), found it")
 
     def ok(k: str) -> bool:
-        return k in d and _is(d[k], _META_TYPES[k])
+        return k in d and is_json_type(d[k], _META_TYPES[k])
 
     if ok("schema_version") and d["schema_version"] != SCHEMA_VERSION:
         out.append(f"meta.schema_version: expected {SCHEMA_VERSION}, found {d['schema_version']} (unknown version)")
@@ -209,7 +219,7 @@ def meta_problems(d: Mapping[str, Any]) -> list[str]:
         out.append(f"meta.hh_precision: expected one of {list(HH_PRECISIONS)}, found {d['hh_precision']!r}")
     if ok("engine"):
         for k, t in ENGINE_FIELDS.items():
-            if not _is(d["engine"].get(k), t):
+            if not is_json_type(d["engine"].get(k), t):
                 out.append(f"meta.engine.{k}: expected {t.__name__}, found {d['engine'].get(k)!r:.60}")
     roles = tuple(d["roles"]) if ok("roles") else ROLES
     if ok("roles"):
@@ -235,10 +245,10 @@ def _generation_problems(g: Any) -> list[str]:
     if not isinstance(g, dict):
         return [f"{w}: expected an object {{prompt, seed, sampler, model}}, found {type(g).__name__}"]
     out = [f"{w}.{k}: expected {t.__name__}, found {g.get(k)!r:.60}" for k, t in GENERATION_FIELDS.items()
-           if not _is(g.get(k), t)]
+           if not is_json_type(g.get(k), t)]
     if isinstance(g.get("sampler"), dict):
         out += [f"{w}.sampler.{k}: expected a number, found {g['sampler'].get(k)!r}" for k in SAMPLER_FIELDS
-                if not _is(g["sampler"].get(k), (int, float))]
+                if not is_json_type(g["sampler"].get(k), (int, float))]
     return out
 
 
@@ -330,7 +340,7 @@ def validate_dump(arrays: Mapping[str, np.ndarray], meta: DumpMeta | Mapping[str
 
     def dim(k: str) -> int | None:
         v = md.get(k)
-        return v if _is(v, int) and v > 0 else None
+        return v if is_json_type(v, int) and v > 0 else None
 
     roles = md.get("roles", ROLES)
     n_roles = len(roles) if isinstance(roles, (list, tuple)) else len(ROLES)
@@ -463,19 +473,9 @@ def write_dump(path: str | os.PathLike, dump_or_arrays: Dump | Mapping[str, np.n
     problems = validate_dump(arrays, meta, path)
     if problems:
         raise DumpError(path, problems)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            for chunk in _serialize(arrays, meta):
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb", fsync=True) as fh:
+        for chunk in _serialize(arrays, meta):
+            fh.write(chunk)
     return path
 
 

@@ -29,18 +29,17 @@ import platform
 import shutil
 import struct
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from l47.model import names
 from l47.dumps.schema import (
-    HH_F16, HH_F32, INJ_CONVENTIONS, INJ_RAW, PROV_GENERATED, PROV_GENERATION, PROV_MIXED, PROV_WRITTEN,
-    SCHEMA_VERSION, validate_dump,
+    HH_F16, HH_F32, INJ_CONVENTIONS, INJ_RAW, PROV_GENERATION,
+    SCHEMA_VERSION, is_json_type, provenance_of, validate_dump,
 )
 from l47.errors import L47Error
+from l47.fileio import write_bytes_atomic
 
 if TYPE_CHECKING:
     from l47.engine.hf import SamplerSettings
@@ -204,18 +203,6 @@ def encode_raw(tag: str, layer: int, data: np.ndarray, dtype_code: int | None = 
     return HEADER.pack(MAGIC, FORMAT_VERSION, dtype_code, tagb, int(layer), a.shape[1], a.shape[0]) + body
 
 
-def _atomic_write(path: Path, blob: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(blob)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def contract_files(layer: int) -> tuple[str, ...]:
     """Every file name of one document's directory for layer L (request, outputs, run.json)."""
     return (REQUEST_TOKENS, DOC_TOKENS, DOC_LOGPOS, DOC_LOGITS, RUN_JSON) + tuple(layer_file(layer, t)
@@ -301,7 +288,7 @@ def run_strata(bin_path: str | os.PathLike, model: str | os.PathLike, tokens: Se
     for name in contract_files(layer):
         (out_dir / name).unlink(missing_ok=True)
     request = out_dir / REQUEST_TOKENS
-    _atomic_write(request, encode_raw(TAG_TOKENS, NO_LAYER, ids[:, None]))
+    write_bytes_atomic(request, encode_raw(TAG_TOKENS, NO_LAYER, ids[:, None]))
     argv = strata_argv(bin_path, model.resolve(), request.resolve(), generate)
     env = strata_env(out_dir.resolve(), layer, topk, ref_logits, extra_env)
     try:
@@ -327,11 +314,6 @@ def run_strata(bin_path: str | os.PathLike, model: str | os.PathLike, tokens: Se
 # reading the engine's output
 
 
-def _is(v: Any, t) -> bool:
-    """isinstance, except that a JSON bool is not a number."""
-    return not isinstance(v, bool) and isinstance(v, t)
-
-
 def _run_problems(run: Any) -> list[str]:
     """Every problem of run.json's content (field names prefixed `run.json: `)."""
     w = RUN_JSON
@@ -344,21 +326,21 @@ def _run_problems(run: Any) -> list[str]:
     for k, t in req.items():
         if k not in run:
             out.append(f"{w}: {k}: expected present, found missing")
-        elif not _is(run[k], t):
+        elif not is_json_type(run[k], t):
             out.append(f"{w}: {k}: expected {t.__name__}, found {run[k]!r:.60}")
 
     def ok(k):
-        return k in run and _is(run[k], req[k])
+        return k in run and is_json_type(run[k], req[k])
 
     if ok("contract_version") and run["contract_version"] != CONTRACT_VERSION:
         out.append(f"{w}: contract_version: expected {CONTRACT_VERSION}, found {run['contract_version']}")
     if ok("engine"):
         for k in ("name", "version"):
-            if not (_is(run["engine"].get(k), str) and run["engine"][k]):
+            if not (is_json_type(run["engine"].get(k), str) and run["engine"][k]):
                 out.append(f"{w}: engine.{k}: expected a non-empty string, found {run['engine'].get(k)!r:.60}")
     if ok("model") and "sha256" in run["model"]:
         s = run["model"]["sha256"]
-        if not (_is(s, str) and len(s) == 64 and all(c in "0123456789abcdef" for c in s)):
+        if not (is_json_type(s, str) and len(s) == 64 and all(c in "0123456789abcdef" for c in s)):
             out.append(f"{w}: model.sha256: expected 64 lowercase hex digits, found {s!r:.70}")
     if ok("mode") and run["mode"] not in MODES:
         out.append(f"{w}: mode: expected one of {list(MODES)}, found {run['mode']!r}")
@@ -371,7 +353,7 @@ def _run_problems(run: Any) -> list[str]:
     if ok("dims"):
         for k in DIMS:
             v = run["dims"].get(k)
-            if not (_is(v, int) and v > 0):
+            if not (is_json_type(v, int) and v > 0):
                 out.append(f"{w}: dims.{k}: expected an integer > 0, found {v!r}")
     for k in ("n_tokens", "rows", "logpos_topk"):
         if ok(k) and run[k] < 1:
@@ -390,9 +372,9 @@ def _run_problems(run: Any) -> list[str]:
                 out.append(f"{w}: settings.{k}: expected present (every setting that changes the numbers), "
                            "found missing")
         for k, v in s.items():
-            if not _is(v, str):
+            if not is_json_type(v, str):
                 out.append(f"{w}: settings.{k}: expected a string value, found {v!r:.40}")
-        if _is(s.get(SET_WEIGHT_POLICY), str) and s[SET_WEIGHT_POLICY] not in WEIGHT_POLICIES:
+        if is_json_type(s.get(SET_WEIGHT_POLICY), str) and s[SET_WEIGHT_POLICY] not in WEIGHT_POLICIES:
             out.append(f"{w}: settings.{SET_WEIGHT_POLICY}: expected one of {list(WEIGHT_POLICIES)}, "
                        f"found {s[SET_WEIGHT_POLICY]!r}")
     sampler = run.get("sampler")
@@ -401,10 +383,10 @@ def _run_problems(run: Any) -> list[str]:
             out.append(f"{w}: sampler: expected {{{', '.join(SAMPLER_KEYS)}}} in generate mode, found {sampler!r:.60}")
         else:
             for k, t in SAMPLER_KEYS.items():
-                if not _is(sampler.get(k), t):
+                if not is_json_type(sampler.get(k), t):
                     out.append(f"{w}: sampler.{k}: expected {getattr(t, '__name__', 'a number')}, "
                                f"found {sampler.get(k)!r:.40}")
-            if isinstance(sampler.get("stop_ids"), list) and not all(_is(i, int) for i in sampler["stop_ids"]):
+            if isinstance(sampler.get("stop_ids"), list) and not all(is_json_type(i, int) for i in sampler["stop_ids"]):
                 out.append(f"{w}: sampler.stop_ids: expected integers, found {sampler['stop_ids']!r:.60}")
     elif ok("mode") and sampler is not None:
         out.append(f"{w}: sampler: expected null in forced mode, found {sampler!r:.60}")
@@ -494,10 +476,10 @@ def read_raw(raw_dir: str | os.PathLike) -> dict:
 
     def rv(k, t=int):
         v = run.get(k)
-        return v if _is(v, t) else None
+        return v if is_json_type(v, t) else None
 
     dims = run.get("dims") if isinstance(run.get("dims"), dict) else {}
-    dim = {k: (dims.get(k) if _is(dims.get(k), int) and dims.get(k) > 0 else None) for k in DIMS}
+    dim = {k: (dims.get(k) if is_json_type(dims.get(k), int) and dims.get(k) > 0 else None) for k in DIMS}
     layer = rv("layer")
     layer = layer if layer is not None and layer >= 0 else _find_layer(d)
     k = rv("logpos_topk")
@@ -624,15 +606,6 @@ def read_raw(raw_dir: str | os.PathLike) -> dict:
 # converting to a dump
 
 
-def _provenance(role: np.ndarray, generated: np.ndarray) -> dict:
-    """Per role present among the targets: written / generated / mixed. role [T] uint8, generated [T] bool."""
-    out = {}
-    for code in np.unique(role):
-        g = generated[role == code]
-        out[names.ROLES[int(code)]] = PROV_GENERATED if g.all() else (PROV_MIXED if g.any() else PROV_WRITTEN)
-    return out
-
-
 def _sampler_problems(raw: dict, T: int) -> list[str]:
     """Sampled ids consistent with the recorded sampler (DESIGN §4): greedy -> top-1 of the previous row;
     top_k <= k -> among the top top_k ids."""
@@ -689,7 +662,7 @@ def convert(raw: dict | str | os.PathLike, meta_base: Mapping[str, Any], *,
 
     # --- meta_base
     for k, t in (("doc_id", str), ("text", str)):
-        if not _is(meta_base.get(k), t):
+        if not is_json_type(meta_base.get(k), t):
             problems.append(f"meta_base.{k}: expected {t.__name__}, found {meta_base.get(k)!r:.60}")
     for k in DIMS:
         if k in meta_base and meta_base[k] != dims[k]:
@@ -751,7 +724,7 @@ def convert(raw: dict | str | os.PathLike, meta_base: Mapping[str, Any], *,
     if role is None:
         provenance: dict = {}
     elif generate:
-        provenance = _provenance(role, generated)
+        provenance = provenance_of(role, generated)
         smp = run["sampler"]
         provenance[PROV_GENERATION] = {
             "prompt": str(meta_base.get("prompt_text", "")), "seed": int(smp["seed"]), "model": model or "",
@@ -760,7 +733,7 @@ def convert(raw: dict | str | os.PathLike, meta_base: Mapping[str, Any], *,
                         "engine": ENGINE_NAME},
         }
     else:
-        provenance = dict(meta_base.get("provenance") or _provenance(role, generated))
+        provenance = dict(meta_base.get("provenance") or provenance_of(role, generated))
     fields = {
         "schema_version": SCHEMA_VERSION, "doc_id": meta_base.get("doc_id"), "layer": int(run["layer"]),
         **dims, "model": model or "", "engine": engine, "inj_convention": run["inj_convention"],

@@ -487,7 +487,7 @@ def _kl_rows(za: np.ndarray, zb: np.ndarray) -> np.ndarray:
 
 
 def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
-    from l47.evals.penalty import FORM_LAST, FORM_SEED, extra_hits, penalty_mask, simulate
+    from l47.evals.penalty import FORM_LAST, FORM_SEED, penalise_document, simulate
 
     finals = list(spec.finals)
     sims, per_set = {}, {}
@@ -495,11 +495,9 @@ def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
     extra = {FORM_LAST: {"positions": 0, "pairs": 0, "target_hit": 0, "dlogp_target": [], "kld": [], "examples": []},
              FORM_SEED: {"positions": 0, "pairs": 0, "target_hit": 0, "dlogp_target": [], "kld": [], "examples": []}}
     for d in docs:
-        m = penalty_mask(d.tokens, spec)  # [T, F]
-        alone = simulate(d.ps.base, d.targets, m, finals, spec.bias)
-        stacked = simulate(d.ps.new, d.targets, m, finals, spec.bias, base=d.ps.base, kld_base_stats=d.ps.kld)
+        dp = penalise_document(spec, d.tokens, d.ps.base, d.ps)
+        alone, stacked, off = dp.alone, dp.stacked, dp.unchanged
         sims[d.sha256] = {"alone": alone, "stacked": stacked}
-        off = ~m.any(1)
         unchanged += int(off.sum())
         pen_rows += int((~off).sum())
         if off.any():
@@ -510,11 +508,11 @@ def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
         ps["kl"].append(alone.kld_vs_base)
         ps["rows"] += int((~off).sum())
         for form, e in extra.items():
-            h, cm = extra_hits(d.tokens, spec, form, m)
+            h, cm = dp.extra[form]
             e["positions"] += h.positions
             e["pairs"] += h.pairs
             e["target_hit"] += h.target_hit
-            rows = (cm & ~m).any(1)
+            rows = (cm & ~dp.mask).any(1)
             if rows.any():
                 cs = simulate(d.ps.base, d.targets, cm, finals, spec.bias)
                 e["dlogp_target"].append(cs.logp_target[rows] - d.ps.base.logp_target[rows])
@@ -546,12 +544,9 @@ def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
 
 
 def _read_dev_report(path: Path) -> dict:
-    try:
-        rep = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise L47Error(path, "dev report", "the report.json of the dev audit", "nothing") from None
-    except ValueError as e:
-        raise L47Error(path, "dev report", "valid JSON", str(e)) from None
+    from l47.fileio import read_json
+
+    rep = read_json(path, "dev report", "the report.json of the dev audit")
     if rep.get("schema") != AUDIT_SCHEMA or rep.get("mode") != B.MODE_DEV:
         raise L47Error(path, "schema / mode", f"{AUDIT_SCHEMA} of a dev audit", f"{rep.get('schema')!r} / "
                        f"{rep.get('mode')!r}")

@@ -30,14 +30,9 @@ CHAT_ROLES = (names.ROLE_ID["assistant"], names.ROLE_ID["think"], names.ROLE_ID[
 
 def load_vocab(exp, base, V: int):
     """The model's vocabulary as the experiment names it; refused when its ids do not fit the head."""
-    from l47.model import vocab as voc
+    from l47.model.vocab import resolve_vocab
 
-    src = getattr(exp, "vocab", "auto")
-    v = voc.vocab_qwen36() if src == "qwen36" else voc.vocab_from_gguf(base) if src == "gguf" else \
-        voc.vocab_for_model(base)
-    if v.size > V:
-        raise L47Error(str(base), "vocabulary", f"at most V = {V} token ids (the head's rows)",
-                       f"{v.size} in {v.name}")
+    v = resolve_vocab(getattr(exp, "vocab", "auto"), base, V)
     missing = [s for s in (names.IM_END, names.IM_START) if s not in v.special_ids]
     if missing:
         raise L47Error(v.name, "special tokens", f"{names.IM_START} and {names.IM_END} in the vocabulary",
@@ -153,6 +148,14 @@ def special_cols(special_ids: Mapping[str, int]) -> dict[str, int]:
     return {name: spec.index(int(i)) for name, i in special_ids.items()}
 
 
+def _located(records, by_sha: Mapping[str, DocResult]):
+    """(record, the scored DocResult of its document) for every record whose document was scored."""
+    for r in records:
+        d = by_sha.get(r.doc_sha256)
+        if d is not None:
+            yield r, d
+
+
 def _mean(x) -> float | None:
     x = np.asarray(list(x) if not isinstance(x, np.ndarray) else x, dtype=np.float64)
     return float(x.mean()) if x.size else None
@@ -198,10 +201,7 @@ def slop_figures(events, by_sha: Mapping[str, DocResult], vocab, special_ids: Ma
     "stacked": Simulated} for the sampler-penalty columns."""
     sc = special_cols(special_ids)
     rows = []
-    for e in events:
-        d = by_sha.get(e.doc_sha256)
-        if d is None:
-            continue
+    for e, d in _located(events, by_sha):
         t = e.pos
         b, n = d.ps.base, d.ps.new
         spb = float(np.exp(b.set_logp[SPECIAL][t]).sum())
@@ -260,10 +260,7 @@ def collateral_figures(collateral, by_sha: Mapping[str, DocResult], vocab, below
     """Per word mean Δlog p(target) at ordinary uses (CollateralRecord list), the fraction below `below`, the
     worst occurrence with its context; pooled fraction."""
     rows = []
-    for c in collateral:
-        d = by_sha.get(c.doc_sha256)
-        if d is None:
-            continue
+    for c, d in _located(collateral, by_sha):
         t = c.pos
         rows.append({"doc": d.path, "pos": t, "word": c.word, "dlogp": float(d.ps.dlogp[t]),
                      "p_before": math.exp(d.ps.base.logp_target[t]), "p_after": math.exp(d.ps.new.logp_target[t]),

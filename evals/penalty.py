@@ -90,13 +90,10 @@ class PenaltySpec:
 
 
 def read_spec(path) -> PenaltySpec:
+    from l47.fileio import read_json
+
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise L47Error(path, "penalty spec", "an existing JSON file", "nothing") from None
-    except ValueError as e:
-        raise L47Error(path, "penalty spec", "valid JSON", str(e)) from None
+    d = read_json(path, "penalty spec")
     if d.get("schema") != PENALTY_SCHEMA:
         raise L47Error(path, "schema", PENALTY_SCHEMA, repr(d.get("schema")))
     if d.get("form") not in FORMS:
@@ -250,6 +247,32 @@ def extra_hits(tokens, spec: PenaltySpec, form: str, exact_mask: np.ndarray | No
     return ExtraHits(form, int(extra.any(1).sum()), int(extra.sum()), hit_target, ex_list), ch
 
 
+@dataclass(frozen=True)
+class DocPenalty:
+    """The penalty simulated on one document: alone (on the base), stacked (on a bundle), and the cheap forms'
+    extra hits."""
+
+    mask: np.ndarray  # [T, F] penalised (row, final token) pairs of the spec's form
+    alone: "Simulated"  # base + penalty
+    stacked: "Simulated | None"  # bundle + penalty (None without a bundle)
+    unchanged: np.ndarray  # [T] bool: rows where nothing is penalised
+    extra: dict  # cheap form -> (ExtraHits, its mask [T, F])
+
+
+def penalise_document(spec: PenaltySpec, tokens, base_stats, paired=None, form: str | None = None) -> DocPenalty:
+    """The one simulation driver behind `l47 penalty` and the audit: the penalty of `spec` (in `form`, default
+    the spec's) on one document's base statistics, stacked on `paired.new` when a PairedStats is given."""
+    form = form or spec.form
+    finals = list(spec.finals)
+    tg = np.asarray(tokens, dtype=np.int64)[1:]  # [T] targets
+    m = penalty_mask(tokens, spec, form)  # [T, F]
+    alone = simulate(base_stats, tg, m, finals, spec.bias)
+    stacked = (simulate(paired.new, tg, m, finals, spec.bias, base=paired.base, kld_base_stats=paired.kld)
+               if paired is not None else None)
+    extra = {f: extra_hits(tokens, spec, f, m if form == FORM_EXACT else None) for f in (FORM_LAST, FORM_SEED)}
+    return DocPenalty(m, alone, stacked, ~m.any(1), extra)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # transformers LogitsProcessor
 
@@ -314,7 +337,7 @@ class PenaltyResult:
         return asdict(self)
 
 
-def run_penalty(args: PenaltyArgs, console=None) -> PenaltyResult:
+def run_penalty(args: PenaltyArgs) -> PenaltyResult:
     """Build the penalty from the experiment's phrases, export it as JSON, and simulate it exactly on the
     events of `args.sets` (alone, and stacked on `args.bundle`), with the cheap forms' extra hits."""
     from dataclasses import replace
@@ -353,32 +376,28 @@ def run_penalty(args: PenaltyArgs, console=None) -> PenaltyResult:
             continue
         d = read_dump(dr.path)
         check_dump_dims(w, d.meta, dr.path)
-        tg = np.asarray(d.targets, dtype=np.int64)  # [T]
         if W_new is None:
             st, ps = score_dump(w, d, token_ids={"finals": finals}, topk=topk), None
         else:
             ps = score_pair(w, d, W_new, token_ids={"finals": finals}, topk=topk)
             st = ps.base
-        m = penalty_mask(d.tokens, spec, args.form)  # [T, F]
-        alone = simulate(st, tg, m, finals, spec.bias)
-        off = ~m.any(1)
+        dp = penalise_document(spec, d.tokens, st, ps, args.form)
+        off = dp.unchanged
         unchanged += int(off.sum())
         pen_rows += int((~off).sum())
         if off.any():
-            max_abs = max(max_abs, float(np.abs(alone.logp_target[off] - st.logp_target[off]).max()))
-        stacked = (simulate(ps.new, tg, m, finals, spec.bias, base=ps.base, kld_base_stats=ps.kld)
-                   if ps is not None else None)
+            max_abs = max(max_abs, float(np.abs(dp.alone.logp_target[off] - st.logp_target[off]).max()))
         for ev in rep.events:
             if ev.doc_sha256 != dr.sha256:
                 continue
             a = acc.setdefault(ev.phrase, {"base": [], "penalty": [], "bundle": [], "stacked": []})
             a["base"].append(math.exp(st.logp_target[ev.pos]))
-            a["penalty"].append(math.exp(alone.logp_target[ev.pos]))
+            a["penalty"].append(math.exp(dp.alone.logp_target[ev.pos]))
             if ps is not None:
                 a["bundle"].append(math.exp(ps.new.logp_target[ev.pos]))
-                a["stacked"].append(math.exp(stacked.logp_target[ev.pos]))
+                a["stacked"].append(math.exp(dp.stacked.logp_target[ev.pos]))
         for form in extra:
-            extra[form].append(extra_hits(d.tokens, spec, form, m if args.form == FORM_EXACT else None)[0])
+            extra[form].append(dp.extra[form][0])
     residual = {ph: {"n": len(v["base"]), **{k: (float(np.mean(x)) if x else None) for k, x in v.items()}}
                 for ph, v in acc.items()}
     eh = {f: {"positions": sum(e.positions for e in v), "pairs": sum(e.pairs for e in v),
@@ -386,23 +405,4 @@ def run_penalty(args: PenaltyArgs, console=None) -> PenaltyResult:
     write_text_atomic(args.out, spec.to_json(vocab.decode))
     res = PenaltyResult(str(args.out), len(spec.rules), spec.bias, spec.form, residual, unchanged, max_abs, pen_rows,
                         eh)
-    if console is not None:
-        _print(res, console)
     return res
-
-
-def _print(res: PenaltyResult, console) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"sampler penalty ({res.form}, bias {res.bias:g}, {res.rules} rules) → {res.spec_path}")
-    for c in ("phrase", "n", "p base", "penalty", "bundle", "bundle+penalty"):
-        t.add_column(c, justify="left" if c == "phrase" else "right")
-    f = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
-    for ph, r in res.residual.items():
-        t.add_row(ph, str(r["n"]), f(r["base"]), f(r["penalty"]), f(r.get("bundle")), f(r.get("stacked")))
-    console.print(t)
-    console.print(f"unchanged rows: {res.unchanged_rows} (max |Δ log p| there {res.unchanged_max_abs_dlogp:.1e}); "
-                  f"penalised rows: {res.penalised_rows}")
-    for form, e in res.extra_hits.items():
-        console.print(f"cheap form {form!r}: {e['positions']} extra rows, {e['pairs']} extra (row, token) pairs, "
-                      f"{e['target_hit']} legitimate targets suppressed")

@@ -140,3 +140,29 @@ def test_checker_detects_a_violation(tmp_path):
     assert not all(edge_ok("l47.evals.audit", d, mods) for d in imports_of(f, "l47.evals.audit")
                    if d.startswith("l47"))
     assert all(edge_ok("l47.app.cli", d, mods) for d in imports_of(f, "l47.app.cli") if d.startswith("l47"))
+
+
+def test_only_the_app_prints_or_imports_rich():
+    bad = []
+    for m, p in modules().items():
+        if layer_of(m, ALLOWED) == "l47.app":
+            continue
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                bad += [f"{m} imports {n}" for n in names if n.split(".")[0] == "rich"]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                if not _under_main_guard(tree, node):
+                    bad.append(f"{m}:{node.lineno} calls print")
+    assert not bad, "\n".join(bad)
+
+
+def _under_main_guard(tree, call) -> bool:
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            if any(call is n for n in ast.walk(node)):
+                return True
+    return False
+
+

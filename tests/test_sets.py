@@ -26,7 +26,8 @@ from l47.dumps import SCHEMA_VERSION, DumpMeta, read_dump, write_dump
 from l47.dumps.chat import render_chat, render_plain
 from l47.errors import L47Error
 from l47.testing.synth import SynthDims, synth_dump_arrays
-from l47.data.sets import build_sets, load_sets_report, render_sets_table, run_sets, write_sets_json
+from l47.app.sets_view import render_sets_table, run_sets
+from l47.data.sets import build_sets, load_sets_report, write_sets_json
 
 FILLER = [
     "The quick brown fox jumps over the lazy dog.",

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
+from l47.fileio import write_text_atomic
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix
 from l47.solvers.wfld import WfldConfig, solve_wfld
@@ -146,7 +147,7 @@ def run_bench(args: BenchArgs, console) -> dict:
     if args.what in ("wfld", "all"):
         out["wfld"] = bench_wfld(args, console)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(out, indent=2))
+        write_text_atomic(args.json_out, json.dumps(out, indent=2))
     return out
 
 

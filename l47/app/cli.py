@@ -153,7 +153,7 @@ def sets(
     ledger: Optional[Path] = typer.Option(None, help="append scored documents to this ledger (default $L47_LEDGER)"),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
-    from l47.data.sets import run_sets
+    from l47.app.sets_view import run_sets
 
     raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device, ledger=ledger))
 
@@ -247,9 +247,10 @@ def penalty(
     device: str = typer.Option("cpu"),
 ):
     """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export."""
+    from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty
 
-    run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device), console)
+    print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device)), console)
 
 
 def main():  # pragma: no cover

@@ -158,7 +158,8 @@ def run_demo(args: DemoArgs, console) -> int:
     from l47.errors import L47Error
     from l47.app.audit_view import audit_and_print
     from l47.evals.audit import AuditArgs
-    from l47.data.sets import build_sets, write_sets_json, render_sets_table
+    from l47.app.sets_view import render_sets_table
+    from l47.data.sets import build_sets, write_sets_json
     from l47.app.solve_report import solve_and_print
     from l47.solvers.solve import SolveArgs
     from l47.model.vocab import vocab_for_model

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from l47.model import names
+from l47.dumps.schema import provenance_of
 from l47.errors import L47Error
 
 ENGINES = ("hf", "strata")
@@ -98,16 +99,6 @@ def _input_hash(doc, layer: int, gen: GenerateOptions | None, ref_logits: bool, 
     blob = {"doc": doc.record(), "layer": layer, "generate": asdict(gen) if gen else None,
             "ref_logits": ref_logits, "topk": topk, "plain_role": plain_role, "engine": engine}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-def _provenance(role: np.ndarray, generated: np.ndarray | None) -> dict:
-    """Per role present among the targets: written / generated / mixed. role [T] uint8, generated [T] bool."""
-    out = {}
-    for code in np.unique(role):
-        sel = role == code
-        g = generated[sel] if generated is not None else np.zeros(int(sel.sum()), bool)
-        out[names.ROLES[int(code)]] = "generated" if g.all() else ("written" if not g.any() else "mixed")
-    return out
 
 
 def _generated_roles(ids: list[int], vocab, start_in_think: bool, content_role: str) -> list[str]:
@@ -204,7 +195,7 @@ def _with_generation(doc, vocab, gen: GenerateOptions, p: _Prompt, new: list[int
     roles = p.roles + _generated_roles(list(new), vocab, gen.think is True, p.content_role)
     role = np.asarray([names.ROLE_ID[r] for r in roles[1:]], dtype=np.uint8)  # [T] role of each target
     generated = np.arange(1, len(ids)) >= len(p.ids)  # [T] target was sampled
-    prov = _provenance(role, generated)
+    prov = provenance_of(role, generated)
     prov["generation"] = {"prompt": p.text, "seed": doc_seed(gen.seed, doc.id), "model": mid,
                           "sampler": {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
                                       "max_new_tokens": gen.max_new_tokens, "base_seed": gen.seed,
@@ -218,7 +209,7 @@ def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role
 
     if gen is None:
         r = render_document(doc, vocab, plain_role)
-        return _Rendered(list(r.tokens), r.role, _provenance(r.role, None), r.text)
+        return _Rendered(list(r.tokens), r.role, provenance_of(r.role, None), r.text)
     p = _prompt(doc, vocab, gen, plain_role)
     new = generate(model, p.ids, gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
                    gen.top_k, p.stop, p.where)
@@ -235,7 +226,7 @@ def _strata_document(sbin, model_path: Path, doc, vocab, gen: GenerateOptions | 
     if gen is None:
         r = render_document(doc, vocab, plain_role)
         strata.run_strata(sbin, model_path, list(r.tokens), raw_dir, L, topk=topk, ref_logits=ref_logits)
-        base = {"doc_id": doc.id, "text": r.text, "role": r.role, "provenance": _provenance(r.role, None),
+        base = {"doc_id": doc.id, "text": r.text, "role": r.role, "provenance": provenance_of(r.role, None),
                 "model": mid, "source": source}
         return strata.convert(raw_dir, base)
     p = _prompt(doc, vocab, gen, plain_role)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from l47.errors import L47Error
+from l47.fileio import write_text_atomic
 
 LEDGER_NAME = "ledger.jsonl"
 
@@ -61,15 +61,7 @@ def append_ledger(path: Path, entries: list[tuple[str, str]], command: str) -> N
     now = time.time()
     lines = [json.dumps(asdict(e)) for e in existing]
     lines += [json.dumps(asdict(LedgerEntry(d, b, command, now))) for d, b in entries]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ledger.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def scored_before(path: Path, doc_sha256: str) -> list[LedgerEntry]:

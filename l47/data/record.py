@@ -170,13 +170,10 @@ def record_path_for(bundle: Path) -> Path:
 
 
 def read_record(path: Path) -> SolveRecord:
+    from l47.fileio import read_json
+
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise L47Error(path, "solve record", "an existing JSON file", "nothing") from None
-    except ValueError as e:
-        raise L47Error(path, "solve record", "valid JSON", f"{type(e).__name__}: {e}") from None
+    d = read_json(path, "solve record")
     if d.get("schema") not in READABLE_SCHEMAS:
         raise L47Error(path, "schema", f"one of {READABLE_SCHEMAS}", repr(d.get("schema")))
     try:

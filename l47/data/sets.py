@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import hashlib
 import math
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -195,18 +193,10 @@ def load_sets_report(path) -> SetsReport:
 
 
 def write_sets_json(report: SetsReport, path) -> Path:
-    """Atomic write (temp file in the same folder + os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(report.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Atomic write (l47.fileio)."""
+    from l47.fileio import write_text_atomic
+
+    return write_text_atomic(path, report.to_json())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -325,16 +315,6 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
 # the whole experiment
 
 
-def _vocab_for(experiment: Experiment, weights):
-    from l47.model import vocab as V
-
-    if experiment.vocab == "qwen36":
-        return V.vocab_qwen36()
-    if experiment.vocab == "gguf":
-        return V.vocab_from_gguf(weights.path)
-    return V.vocab_for_model(weights.path)
-
-
 def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
                progress: Callable[[str], None] | None = None, base_stats=None) -> SetsReport:
     """Mine, score, guard and split every document of an experiment. See the module docstring.
@@ -342,6 +322,7 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once."""
     from l47.tail.forward import score_dump
     from l47.dumps.select import phrases_to_tuples, split_documents
+    from l47.model.vocab import resolve_vocab
     from l47.model.weights import TailWeights, load_tail_weights
 
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
@@ -350,10 +331,7 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     if src is None:
         raise L47Error(exp.path, "model", "a base GGUF (the experiment's `model` key or --model)", "none given")
     w = src if isinstance(src, TailWeights) else load_tail_weights(src, policy=exp.policy, device=device)
-    vocab = vocab if vocab is not None else _vocab_for(exp, w)
-    if vocab.size > w.V:
-        raise L47Error(w.path, "vocabulary", f"at most V = {w.V} token ids (the head's rows)",
-                       f"{vocab.size} in {vocab.name}")
+    vocab = vocab if vocab is not None else resolve_vocab(exp.vocab, w.path, w.V)
     if not exp.phrases:
         raise L47Error(exp.path, "phrases", "at least one [[phrases]] entry", "none")
 
@@ -473,103 +451,3 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
         events=tuple(ev), non_events=tuple(nev), collateral=tuple(col), split=split_info,
         warnings=tuple(warnings),
     )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# rendering and the command
-
-
-def render_sets_table(report: SetsReport) -> list:
-    """rich renderables: events per phrase × set, collateral per word × set, coverage per set, refusals,
-    phrase issues, warnings and the thresholds."""
-    from rich.table import Table
-    from rich.text import Text
-
-    out: list = []
-    sets = [s for s in report.set_names() if s != POOL]
-    ev, nev, cp = report.counts("events"), report.counts("non_events"), report.counts("copies")
-    t = Table(title=f"events per phrase × set (base p ≥ {report.thresholds['non_event_p']:g}; "
-                    f"solver sees train/dev only)")
-    t.add_column("phrase")
-    t.add_column("tuples", justify="right")
-    for s in sets:
-        t.add_column(s, justify="right")
-    t.add_column("non-events", justify="right")
-    t.add_column("held-out copies", justify="right")
-    ntup = {p["phrase"]: len(p["tuples"]) for p in report.phrases}
-    for ph in ev:
-        t.add_row(ph, str(ntup.get(ph, 0)), *[str(ev[ph].get(s, 0)) for s in sets],
-                  str(sum(nev.get(ph, {}).values())), str(cp.get(ph, {}).get("heldout", 0)))
-    out.append(t)
-
-    cc = report.collateral_counts()
-    t = Table(title="collateral per word × set (ordinary uses, never after a banned prefix)")
-    t.add_column("word")
-    t.add_column("id", justify="right")
-    for s in sets:
-        t.add_column(s, justify="right")
-    for wd, c in cc.items():
-        t.add_row(repr(wd), str(report.collateral_words.get(wd, "")), *[str(c.get(s, 0)) for s in sets])
-    out.append(t)
-
-    cov = report.coverage()
-    t = Table(title="coverage per set")
-    cols = [f.name for f in fields(Coverage)]
-    t.add_column("set")
-    for c in cols:
-        t.add_column(c.replace("_", " "), justify="right")
-    t.add_column("refused", justify="right")
-    for s in report.set_names():
-        c = cov.get(s, Coverage())
-        nref = sum(1 for d in report.docs if d.set == s and d.refused)
-        t.add_row(s, *[str(getattr(c, k)) for k in cols], str(nref))
-    out.append(t)
-
-    refused = [d for d in report.docs if d.refused]
-    if refused:
-        t = Table(title="refused documents")
-        t.add_column("set")
-        t.add_column("document")
-        t.add_column("why")
-        for d in refused:
-            t.add_row(d.set, d.path, "; ".join(d.reasons))
-        out.append(t)
-    if report.phrase_issues:
-        t = Table(title="phrase variants not used")
-        t.add_column("phrase")
-        t.add_column("variant")
-        t.add_column("ids")
-        t.add_column("reason")
-        for i in report.phrase_issues:
-            t.add_row(i["phrase"], repr(i["variant"]), str(i["ids"]), i["reason"])
-        out.append(t)
-    th = ", ".join(f"{k}={v:g}" for k, v in report.thresholds.items())
-    out.append(Text(f"thresholds: {th}", style="dim"))
-    for wmsg in report.warnings:
-        out.append(Text(f"warning: {wmsg}", style="yellow"))
-    return out
-
-
-def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu", ledger=None) -> int:
-    """`l47 sets EXPERIMENT.toml [--json out.json]`: build, print, write. Exit code 0 when there are no
-    warnings (no refused documents, enough held-out events and collateral), 1 otherwise; bad input raises
-    L47Error (the CLI prints it and exits 2)."""
-    from rich.console import Console
-
-    from l47.data.ledger import default_ledger
-
-    console = console or Console()
-    exp = load_experiment(experiment_path)
-    report = build_sets(exp, model, device=device)
-    for r in render_sets_table(report):
-        console.print(r)
-    if json_out is not None:
-        p = write_sets_json(report, json_out)
-        console.print(f"sets JSON: {p}")
-    ledger = ledger if ledger is not None else default_ledger()
-    if ledger is not None:  # every document scored here, against the base model (blind ones are never scored)
-        from l47.data.ledger import append_ledger
-
-        append_ledger(ledger, [(d.sha256, report.model_sha256) for d in report.docs
-                               if d.set != "blind" and d.sha256 and d.ce is not None], "sets")
-    return 1 if report.warnings else 0

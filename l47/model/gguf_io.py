@@ -26,7 +26,6 @@ import math
 import os
 import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from l47.errors import L47Error
-from l47.fileio import sha256_file
+from l47.fileio import atomic_open, sha256_file
 from l47.model.names import DEFAULT_ALIGNMENT, KEY_ALIGNMENT, KEY_ARCH
 
 GGUF_MAGIC = b"GGUF"
@@ -414,27 +413,6 @@ def _as_bytes(x: Any) -> memoryview:
     return memoryview(x).cast("B")
 
 
-def _atomic_open(path: Path):
-    """A temp file in the target's directory (so os.replace is atomic). Returns (file object, temp path)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a written model should get the usual permissions
-    return os.fdopen(fd, "wb"), Path(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _finish_atomic(f, tmp: Path, path: Path) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(tmp, path)
-
-
 def _pad(f, pos: int, alignment: int) -> int:
     n = _align(pos, alignment) - pos
     if n:
@@ -503,8 +481,7 @@ def write_gguf(path, kv: dict, kv_types: dict | None, tensors: list[tuple[str, i
         rel = _align(rel + nbytes, alignment)
     header = struct.pack("<4sIQQ", GGUF_MAGIC, GGUF_WRITE_VERSION, len(entries), len(kv_blobs))
 
-    f, tmp = _atomic_open(path)
-    try:
+    with atomic_open(path, "wb", fsync=True) as f:
         pos = f.write(header + b"".join(kv_blobs) + b"".join(table))
         pos = _pad(f, pos, alignment)
         for name, gtype, shape, nbytes, data in entries:
@@ -519,11 +496,6 @@ def write_gguf(path, kv: dict, kv_types: dict | None, tensors: list[tuple[str, i
                                    f"{written} streamed")
                 pos += written
             pos = _pad(f, pos, alignment)
-        _finish_atomic(f, tmp, path)
-    except BaseException:
-        f.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 
@@ -563,8 +535,7 @@ def copy_with_tensor_replaced(base, out, replacements: dict[str, Any], extra_kv:
         patches.append((ti.offset - g.data_offset, b))
 
     src = memoryview(g._mm)
-    f, tmp = _atomic_open(out)
-    try:
+    with atomic_open(out, "wb", fsync=True) as f:
         if extra_kv:
             if KEY_ALIGNMENT in extra_kv and extra_kv[KEY_ALIGNMENT] != g.alignment:
                 raise L47Error(out, f"metadata {KEY_ALIGNMENT}", f"{g.alignment} (the base's; data is copied as is)",
@@ -593,9 +564,4 @@ def copy_with_tensor_replaced(base, out, replacements: dict[str, Any], extra_kv:
         for rel, b in patches:
             f.seek(data_offset + rel)
             f.write(b)
-        _finish_atomic(f, tmp, out)
-    except BaseException:
-        f.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out

@@ -305,6 +305,18 @@ def vocab_for_model(path_or_gguf) -> Vocab:
     return vocab_from_gguf(path_or_gguf) if names.K_TOK_TOKENS in kv else vocab_qwen36()
 
 
+def resolve_vocab(source: str, model, V: int | None = None) -> Vocab:
+    """The vocabulary an experiment's `vocab` key names ("qwen36", "gguf": the model's GGUF metadata, "auto": the
+    model's own, see vocab_for_model); with V, refused when its ids do not fit the head's V rows."""
+    v = vocab_qwen36() if source == "qwen36" else vocab_from_gguf(model) if source == "gguf" else \
+        vocab_for_model(model)
+    if V is not None and v.size > V:
+        where = model.path if hasattr(model, "path") else model
+        raise L47Error(str(where), "vocabulary", f"at most V = {V} token ids (the head's rows)",
+                       f"{v.size} in {v.name}")
+    return v
+
+
 def chat_header(vocab: Vocab, role: str) -> tuple[int, ...]:
     """Ids of `<|im_start|>{role}\\n` (the chat template's turn header)."""
     return tuple(vocab.encode_chat(f"{names.IM_START}{role}\n"))

@@ -1,0 +1,107 @@
+"""Rich rendering of `l47 sets` and the command's driver: build the sets report, print its tables, write the
+JSON and the ledger lines."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from rich.table import Table
+from rich.text import Text
+
+from l47.data.sets import POOL, Coverage, SetsReport
+
+
+
+def render_sets_table(report: SetsReport) -> list:
+    """rich renderables: events per phrase × set, collateral per word × set, coverage per set, refusals,
+    phrase issues, warnings and the thresholds."""
+    out: list = []
+    sets = [s for s in report.set_names() if s != POOL]
+    ev, nev, cp = report.counts("events"), report.counts("non_events"), report.counts("copies")
+    t = Table(title=f"events per phrase × set (base p ≥ {report.thresholds['non_event_p']:g}; "
+                    f"solver sees train/dev only)")
+    t.add_column("phrase")
+    t.add_column("tuples", justify="right")
+    for s in sets:
+        t.add_column(s, justify="right")
+    t.add_column("non-events", justify="right")
+    t.add_column("held-out copies", justify="right")
+    ntup = {p["phrase"]: len(p["tuples"]) for p in report.phrases}
+    for ph in ev:
+        t.add_row(ph, str(ntup.get(ph, 0)), *[str(ev[ph].get(s, 0)) for s in sets],
+                  str(sum(nev.get(ph, {}).values())), str(cp.get(ph, {}).get("heldout", 0)))
+    out.append(t)
+
+    cc = report.collateral_counts()
+    t = Table(title="collateral per word × set (ordinary uses, never after a banned prefix)")
+    t.add_column("word")
+    t.add_column("id", justify="right")
+    for s in sets:
+        t.add_column(s, justify="right")
+    for wd, c in cc.items():
+        t.add_row(repr(wd), str(report.collateral_words.get(wd, "")), *[str(c.get(s, 0)) for s in sets])
+    out.append(t)
+
+    cov = report.coverage()
+    t = Table(title="coverage per set")
+    cols = [f.name for f in fields(Coverage)]
+    t.add_column("set")
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="right")
+    t.add_column("refused", justify="right")
+    for s in report.set_names():
+        c = cov.get(s, Coverage())
+        nref = sum(1 for d in report.docs if d.set == s and d.refused)
+        t.add_row(s, *[str(getattr(c, k)) for k in cols], str(nref))
+    out.append(t)
+
+    refused = [d for d in report.docs if d.refused]
+    if refused:
+        t = Table(title="refused documents")
+        t.add_column("set")
+        t.add_column("document")
+        t.add_column("why")
+        for d in refused:
+            t.add_row(d.set, d.path, "; ".join(d.reasons))
+        out.append(t)
+    if report.phrase_issues:
+        t = Table(title="phrase variants not used")
+        t.add_column("phrase")
+        t.add_column("variant")
+        t.add_column("ids")
+        t.add_column("reason")
+        for i in report.phrase_issues:
+            t.add_row(i["phrase"], repr(i["variant"]), str(i["ids"]), i["reason"])
+        out.append(t)
+    th = ", ".join(f"{k}={v:g}" for k, v in report.thresholds.items())
+    out.append(Text(f"thresholds: {th}", style="dim"))
+    for wmsg in report.warnings:
+        out.append(Text(f"warning: {wmsg}", style="yellow"))
+    return out
+
+
+def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu", ledger=None) -> int:
+    """`l47 sets EXPERIMENT.toml [--json out.json]`: build, print, write. Exit code 0 when there are no
+    warnings (no refused documents, enough held-out events and collateral), 1 otherwise; bad input raises
+    L47Error (the CLI prints it and exits 2)."""
+    from rich.console import Console
+
+    from l47.data.experiment import load_experiment
+    from l47.data.ledger import default_ledger
+    from l47.data.sets import build_sets, write_sets_json
+
+    console = console or Console()
+    exp = load_experiment(experiment_path)
+    report = build_sets(exp, model, device=device)
+    for r in render_sets_table(report):
+        console.print(r)
+    if json_out is not None:
+        p = write_sets_json(report, json_out)
+        console.print(f"sets JSON: {p}")
+    ledger = ledger if ledger is not None else default_ledger()
+    if ledger is not None:  # every document scored here, against the base model (blind ones are never scored)
+        from l47.data.ledger import append_ledger
+
+        append_ledger(ledger, [(d.sha256, report.model_sha256) for d in report.docs
+                               if d.set != "blind" and d.sha256 and d.ce is not None], "sets")
+    return 1 if report.warnings else 0
