@@ -401,10 +401,11 @@ def test_meta_json_round_trip_and_errors():
 
 
 def test_dumps_imports_only_allowed_modules():
-    """DESIGN §2: dumps/ may import numpy, torch, safetensors, stdlib and l47.model.names/l47.errors only."""
+    """DESIGN §2: dumps/ may import numpy, torch, safetensors, stdlib and l47.model.names / the base modules
+    (l47.errors, l47.fileio: the one atomic writer) only."""
     code = ("import sys, l47.dumps; bad = sorted({m.split('.')[0] for m in sys.modules} & "
             "{'transformers', 'gguf', 'scipy', 'matplotlib', 'typer', 'rich'}); "
             "core = sorted(m for m in sys.modules if m.startswith('l47.') and not m.startswith('l47.dumps') "
-            "and m not in ('l47.model', 'l47.model.names', 'l47.errors')); print(bad, core)")
+            "and m not in ('l47.model', 'l47.model.names', 'l47.errors', 'l47.fileio')); print(bad, core)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[] []"
