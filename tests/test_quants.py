@@ -344,6 +344,119 @@ def test_q6_k_quantize_property_valid(x):
     assert np.all(err <= amax / 31 * 1.05 + 2.0**-24 * 40)
 
 
+# ------------------------------------------------------------------------------------------------ Q6_K encode:
+# the vectorised encoder against the previous one (commit 4e9cca9), kept here verbatim as the reference: bytes equal
+def _old_make_qx_scales(xs: torch.Tensor, nmax: int = 32) -> torch.Tensor:
+    ax = xs.abs()  # [B, S, 16]
+    imax = ax.argmax(dim=-1, keepdim=True)
+    mx = xs.gather(-1, imax)
+    live = ax.gather(-1, imax) >= lq.GROUP_MAX_EPS
+    mx = torch.where(live, mx, torch.ones_like(mx))
+    w = xs * xs
+    wx = w * xs
+    iscale = -(nmax + 0.1 * torch.tensor(lq._Q6K_SEARCH, dtype=torch.float32)) / mx  # [B, S, 19]
+    lv = torch.round(iscale.unsqueeze(-1) * xs.unsqueeze(-2)).clamp_(-nmax, nmax - 1)  # [B, S, 19, 16]
+    sumlx = (lv * wx.unsqueeze(-2)).sum(-1)  # [B, S, 19]
+    suml2 = (lv.mul_(lv) * w.unsqueeze(-2)).sum(-1)  # [B, S, 19]
+    score = torch.where(suml2 > 0, sumlx * sumlx / suml2.clamp_min(1e-38), torch.full_like(sumlx, -1.0))
+    k = score.argmax(dim=-1, keepdim=True)
+    l2 = suml2.gather(-1, k)
+    scale = torch.where(l2 > 0, sumlx.gather(-1, k) / l2.clamp_min(1e-38), torch.zeros_like(l2))
+    return torch.where(live, scale, torch.zeros_like(scale)).squeeze(-1)  # [B, S]
+
+
+def old_q6_k_quantize(x: np.ndarray) -> np.ndarray:
+    """The previous _enc_q6_k over the whole of x [rows, cols] at once (one chunk, one thread)."""
+    x = torch.from_numpy(np.ascontiguousarray(x, np.float32)).reshape(-1, 256)
+    B = x.shape[0]
+    xs = x.reshape(B, 16, 16)
+    scales = _old_make_qx_scales(xs)
+    max_scale = scales.gather(-1, scales.abs().argmax(dim=-1, keepdim=True))
+    dead = max_scale.abs() < lq.GROUP_MAX_EPS
+    d = torch.where(dead, torch.ones_like(max_scale), max_scale) / -128.0
+    d16 = d.to(torch.float16)
+    short = d16.to(torch.float32).abs() < d.abs()
+    d16 = torch.where(short, (d16.view(torch.int16) + 1).view(torch.float16), d16)
+    sc = torch.round(scales / d16.to(torch.float32)).clamp_(-128, 127)
+    dl = d16.to(torch.float32) * sc
+    safe = torch.where(dl == 0, torch.ones_like(dl), dl).unsqueeze(-1)
+    lv = torch.round(xs / safe).clamp_(-32, 31)
+    lv = torch.where(dl.unsqueeze(-1) == 0, torch.zeros_like(lv), lv)
+    L = (lv + 32).to(torch.uint8).reshape(B, 2, 4, 32)
+    lo, hi = L & 0x0F, L >> 4
+    ql = torch.cat((lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)), dim=-1)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    out = torch.cat((ql.reshape(B, 128), qh.reshape(B, 64), sc.to(torch.int8).view(torch.uint8),
+                     d16.view(torch.uint8)), dim=-1)
+    return torch.where(dead, torch.zeros_like(out), out).numpy()  # [nb, 210]
+
+
+def q6_k_cases(rng) -> np.ndarray:
+    """[rows, 2560] f32 matrices that stress every branch of the scale search and the packing."""
+    rows = []
+    rows.append(rng.standard_normal((8, 2560)))  # Gaussian
+    rows.append(rng.standard_normal((8, 2560)) * np.exp(rng.standard_normal((8, 2560)) * 3))  # heavy tails
+    rows.append(np.zeros((1, 2560)))  # zeros
+    rows.append(np.full((1, 2560), 0.37))  # constants: every |x| ties for the group max
+    rows.append(np.full((1, 2560), -2.5e3))
+    alt = np.tile([1.0, -1.0], 1280)[None] * 0.8  # +-ties: the first max must win
+    rows.append(alt)
+    quarter = rng.integers(-64, 65, (4, 2560)) * 0.25  # multiples of 1/4 with max 16: exact .5 products (ties)
+    quarter[:, ::16] = 16.0
+    rows.append(quarter)
+    huge = rng.standard_normal((4, 2560)) * 10.0 ** rng.uniform(-30, 6, (4, 2560))  # 36 decades in one row
+    rows.append(huge)
+    tiny = rng.standard_normal((2, 2560)) * 10.0 ** rng.uniform(-44, -36, (2, 2560))  # f32 subnormals, dead groups
+    rows.append(tiny)
+    mixed = rng.standard_normal((4, 2560))
+    mixed[:, rng.integers(0, 2560, 40)] *= 1e5  # outliers dominating their super-block
+    mixed[:, 512:768] = 1e-16  # a dead super-block next to live ones
+    rows.append(mixed)
+    return np.concatenate(rows).astype(np.float32)
+
+
+def test_q6_k_sum16_is_torch_sum_order():
+    """_sum16_rows reproduces torch's own .sum(-1) over 16 f32 bit for bit (the fact the vectorised search rests on)."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.randn(19, 16, 5000, generator=g) * torch.exp(torch.randn(19, 16, 5000, generator=g) * 4)
+    want = p.transpose(1, 2).contiguous().sum(-1)  # [19, 5000]
+    np.testing.assert_array_equal(bits(lq._sum16_rows(p.clone(), 8)), bits(want))
+    seq = p[:, 0].clone()
+    for j in range(1, 16):
+        seq += p[:, j]
+    assert (bits(seq) != bits(want)).any()  # a naive left-to-right sum differs: the order is what is tested
+
+
+@pytest.mark.parametrize("chunk", [256 * 3, 1 << 14])
+def test_q6_k_quantize_equals_previous_encoder(monkeypatch, chunk):
+    """Tolerance 0 (bytes): same f32 operations in the same order as the previous encoder. Several chunks and the
+    thread pool are exercised (2 torch threads), and gguf.quants decodes the bytes to our decoder's values."""
+    monkeypatch.setattr(lq, "_QCHUNK", chunk)
+    x = q6_k_cases(np.random.default_rng(16))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ours = lq.q6_k_quantize(torch.from_numpy(x)).numpy()
+        assert torch.get_num_threads() == 2  # restored after the pool
+    finally:
+        torch.set_num_threads(prev)
+    ref = old_q6_k_quantize(x).reshape(ours.shape)
+    np.testing.assert_array_equal(ours, ref)
+    y = ref_dequant(ours, Q.Q6_K, x.shape)
+    np.testing.assert_array_equal(bits(lq.q6_k_dequantize(ours, x.shape[1])), bits(y))
+    assert not ours[16].any()  # the zero row is zero bytes
+    live = np.abs(x).reshape(-1, 256).max(1) > 1e-10  # super-blocks the fp16 scale can represent
+    assert np.isfinite(y).all() and live.sum() > 50
+
+
+@HYP
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([256, 512])),
+                  elements=st.floats(-1e6, 1e6, width=32)))
+def test_q6_k_quantize_property_equals_previous_encoder(x):
+    np.testing.assert_array_equal(lq.q6_k_quantize(torch.from_numpy(x)).numpy(), old_q6_k_quantize(x).reshape(
+        x.shape[0], -1))
+
+
 # ------------------------------------------------------------------------------------------------ BF16
 BF16_SPECIALS = np.array([
     0x00000000, 0x80000000, 0x7F800000, 0xFF800000,  # +-0, +-inf

@@ -25,12 +25,14 @@ Large tensors are processed in chunks (~_CHUNK weights on the CPU, 64x that on a
 preallocated f32 output, so temporaries stay a few times one chunk: a 248,320 x 2560 Q6_K head from a numpy
 memmap needs its 2.37 GiB output plus 0.006 GiB (CPU peak RSS) / 0.04 GiB (CUDA peak allocation) beyond it.
 Throughput (`python -m l47.model.quants`, H200 host): Q6_K head dequantize ~150 Mw/s on 16 CPU cores, ~1,300 Mw/s to CUDA
-(pageable host-to-device copies included).
+(pageable host-to-device copies included). Encoding runs in chunks of _QCHUNK weights, on the CPU spread over
+torch.get_num_threads() Python threads (see _run_chunks).
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import numpy as np
@@ -41,7 +43,7 @@ from l47.errors import L47Error
 
 QT = GGMLQuantizationType
 _CHUNK = 1 << 16  # weights per decode chunk on the CPU (256 KiB of f32 output: stays in cache)
-_QCHUNK = 1 << 16  # weights per encode chunk (the Q6_K scale search holds ~19 x 5 f32 copies of one)
+_QCHUNK = 1 << 15  # weights per encode chunk on the CPU (the Q6_K search holds 2 x 19 f32 copies of one)
 QK8_0 = GGML_QUANT_SIZES[QT.Q8_0][0]  # 32
 QK_K = gguf.QK_K  # 256
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: below this a group's values count as zero
@@ -261,23 +263,48 @@ def _make_qx_scales(xs: torch.Tensor, nmax: int = 32) -> torch.Tensor:
 
     x^2-weighted least-squares scale for codes round(iscale*x) clamped to [-nmax, nmax-1], over the trial inverse
     scales iscale = -(nmax + 0.1*is)/max, is = 0, -9..9 (all 19 at once); keeps the first one with the largest
-    sumlx^2/suml2 (ggml keeps the first strictly better one, comparing sumlx^2 > best*suml2)."""
-    ax = xs.abs()  # [B, S, 16]
-    imax = ax.argmax(dim=-1, keepdim=True)  # first max |x|, as ggml's strict >
-    mx = xs.gather(-1, imax)  # [B, S, 1] signed max
-    live = ax.gather(-1, imax) >= GROUP_MAX_EPS  # [B, S, 1]; dead groups get scale 0
-    mx = torch.where(live, mx, torch.ones_like(mx))
-    w = xs * xs  # [B, S, 16] weights
-    wx = w * xs  # [B, S, 16]
-    iscale = -(nmax + 0.1 * _SEARCH.to(xs.device)) / mx  # [B, S, 19]
-    lv = torch.round(iscale.unsqueeze(-1) * xs.unsqueeze(-2)).clamp_(-nmax, nmax - 1)  # [B, S, 19, 16]
-    sumlx = (lv * wx.unsqueeze(-2)).sum(-1)  # [B, S, 19]
-    suml2 = (lv.mul_(lv) * w.unsqueeze(-2)).sum(-1)  # [B, S, 19]
-    score = torch.where(suml2 > 0, sumlx * sumlx / suml2.clamp_min(1e-38), torch.full_like(sumlx, -1.0))
-    k = score.argmax(dim=-1, keepdim=True)  # [B, S, 1] first best candidate
-    l2 = suml2.gather(-1, k)
-    scale = torch.where(l2 > 0, sumlx.gather(-1, k) / l2.clamp_min(1e-38), torch.zeros_like(l2))  # [B, S, 1]
-    return torch.where(live, scale, torch.zeros_like(scale)).squeeze(-1)  # [B, S]
+    sumlx^2/suml2 (ggml keeps the first strictly better one, comparing sumlx^2 > best*suml2).
+
+    Layout: the G = B*S groups along the LAST axis ([19 trials, 16 weights, G]), so every step is one long
+    vectorised op and each 16-term sum is vector adds of whole rows, in a FIXED order: torch's CPU order for an
+    inner reduction of 16 f32 (8 partial sums p_j + p_{j+8}, then added left to right; tests/test_quants.py checks
+    it against `.sum(-1)`). The values are therefore bit-identical with the previous implementation (all trials
+    as [B, S, 19, 16] and `.sum(-1)`, kept in the tests as the reference), on any device."""
+    B, S, n = xs.shape
+    G = B * S
+    T = len(_Q6K_SEARCH)
+    x = xs.reshape(G, n)  # [G, 16]
+    ax = x.abs()  # [G, 16]
+    imax = ax.argmax(dim=-1, keepdim=True)  # [G, 1] first max |x|, as ggml's strict >
+    live = ax.gather(-1, imax) >= GROUP_MAX_EPS  # [G, 1]; dead groups get scale 0
+    mx = torch.where(live, x.gather(-1, imax), torch.ones_like(imax, dtype=x.dtype))  # [G, 1] signed max (1: dead)
+    iscale = (-(nmax + 0.1 * _SEARCH.to(xs.device)) / mx).T  # [T, G] trial inverse scales (f32, as ggml's iscale)
+    xt = x.T.contiguous()  # [16, G]
+    w = xt * xt  # [16, G] weights x^2
+    wx = w * xt  # [16, G] x^3
+    lv = torch.mul(xt, iscale.unsqueeze(1))  # [T, 16, G] f32 products, one rounding each
+    lv.round_().clamp_(-nmax, nmax - 1)  # codes: round half to even (as nearest_int), clamped
+    h = n // 2
+    acc = torch.mul(lv, wx)  # [T, 16, G] lv*x^3
+    sumlx = _sum16_rows(acc, h)  # [T, G]
+    acc = lv.mul_(lv).mul_(w)  # [T, 16, G] (lv*lv)*x^2
+    suml2 = _sum16_rows(acc, h)  # [T, G]
+    score = torch.where(suml2 > 0, sumlx * sumlx / suml2.clamp_min(1e-38), torch.full_like(sumlx, -1.0))  # [T, G]
+    k = score.T.argmax(dim=-1, keepdim=True).T  # [1, G] first best trial
+    l2 = suml2.gather(0, k)  # [1, G]
+    scale = torch.where(l2 > 0, sumlx.gather(0, k) / l2.clamp_min(1e-38), torch.zeros_like(l2))  # [1, G]
+    return torch.where(live.T, scale, torch.zeros_like(scale)).reshape(B, S)  # [B, S]
+
+
+def _sum16_rows(p: torch.Tensor, h: int) -> torch.Tensor:
+    """p [T, 16, G] -> [T, G]: the sum over axis 1 in torch's CPU order for an inner reduction of 16 f32: partial
+    sums a_j = p_j + p_{j+8} (j < 8), then a_0 + a_1 + ... + a_7 left to right; every add one f32 rounding.
+    Overwrites p's first half."""
+    a = torch.add(p[:, :h], p[:, h:], out=p[:, :h])  # [T, 8, G]
+    s = a[:, 0] + a[:, 1]  # [T, G]
+    for j in range(2, h):
+        s.add_(a[:, j])
+    return s
 
 
 def _enc_q6_k(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -300,15 +327,15 @@ def _enc_q6_k(x: torch.Tensor, name: str) -> torch.Tensor:
     sc = torch.round(scales / d16.to(torch.float32)).clamp_(-128, 127)  # [B, S] int8 sub-scales, |.| <= 128
     dl = d16.to(torch.float32) * sc  # [B, S] effective step per group (exact)
     safe = torch.where(dl == 0, torch.ones_like(dl), dl).unsqueeze(-1)  # [B, S, 1]
-    lv = torch.round(xs / safe).clamp_(-32, 31)  # [B, S, 16]
-    lv = torch.where(dl.unsqueeze(-1) == 0, torch.zeros_like(lv), lv)
-    L = (lv + 32).to(torch.uint8).reshape(B, 2, 4, 32)  # [B, half, k, l] codes 0..63
+    lv = torch.div(xs, safe).round_().clamp_(-32, 31)  # [B, S, 16]
+    lv.masked_fill_(dl.unsqueeze(-1) == 0, 0.0)
+    L = lv.add_(32).to(torch.uint8).reshape(B, 2, 4, 32)  # [B, half, k, l] codes 0..63
     lo, hi = L & 0x0F, L >> 4  # [B, 2, 4, 32]
     ql = torch.cat((lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)), dim=-1)  # [B, 2, 64]
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)  # [B, 2, 32]
     out = torch.cat((ql.reshape(B, 128), qh.reshape(B, 64), sc.to(torch.int8).view(torch.uint8),
                      d16.view(torch.uint8)), dim=-1)  # [B, 210]
-    return torch.where(dead, torch.zeros_like(out), out)
+    return out.masked_fill_(dead, 0)  # [B, 210]
 
 
 def _enc_f32(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -340,8 +367,8 @@ def _encode(w: torch.Tensor, qt: GGMLQuantizationType, name: str) -> torch.Tenso
         raise L47Error(name, "dtype", "a real floating tensor", f"{w.dtype}")
     cols = w.shape[-1]
     rnb = row_nbytes(qt, cols, name)
-    bad = ~torch.isfinite(w)
-    if bool(bad.any()):
+    if w.is_floating_point() and w.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(w))).all()):
+        bad = ~torch.isfinite(w)  # one aminmax pass finds any NaN (it propagates) or +-Inf; name the first here
         first = tuple(int(i) for i in bad.nonzero()[0])
         raise L47Error(name, "values", "finite (no NaN/Inf) to quantize",
                        f"{int(bad.sum())} non-finite values, first at index {first}")
@@ -351,9 +378,32 @@ def _encode(w: torch.Tensor, qt: GGMLQuantizationType, name: str) -> torch.Tenso
     out = torch.empty((x.shape[0], ts), dtype=torch.uint8, device=x.device)  # [nb, ts]
     step = max(1, (_QCHUNK if x.device.type == "cpu" else _QCHUNK * 64) // bs)  # bigger chunks: fewer launches
     enc = _ENCODERS[qt]
-    for i in range(0, x.shape[0], step):
+
+    def one(i: int) -> None:
         out[i:i + step] = enc(x[i:i + step], name)  # [B, ts]
+
+    _run_chunks(one, range(0, x.shape[0], step), x.device)
     return out.reshape(*lead, rnb)
+
+
+def _run_chunks(one, starts: range, device: torch.device) -> None:
+    """one(i) for every chunk start. On the CPU with several torch threads, the chunks run on that many Python
+    threads (torch releases the GIL inside ops) with torch's intra-op threads set to 1 meanwhile (restored after):
+    chunk-sized ops split over OpenMP threads stall at every barrier when the cores are shared with other
+    processes (measured: ~250x slower per op with 2 threads on 2 busy cores), while independent chunks do not."""
+    workers = min(torch.get_num_threads(), len(starts)) if device.type == "cpu" else 1
+    if workers <= 1:
+        for i in starts:
+            one(i)
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(one, starts):  # re-raises the first chunk's error (an L47Error from an encoder)
+                pass
+    finally:
+        torch.set_num_threads(prev)
 
 
 def quantize(w: torch.Tensor, ggml_type: int, name: str = "?") -> torch.Tensor:
@@ -430,8 +480,9 @@ def q6_k_quantize(w, name: str = "?") -> torch.Tensor:
     d = max_scale / -128 in fp16 (rounded away from zero), int8 sub-scales round(scale / d16), codes
     round(x / (d16*sc)) clamped to [-32, 31] (see _enc_q6_k for the two departures from ggml). Valid blocks that
     gguf.quants decodes. Relative RMSE on iid Gaussian data ~1.8e-2: Q6_K's inherent level (64 levels spanning
-    +-max of 16 samples, ~+-2 sigma; the float64 absmax baseline gives ~1.87e-2). Computed in f32 with torch's
-    reduction order, so not byte-identical with ggml's C."""
+    +-max of 16 samples, ~+-2 sigma; the float64 absmax baseline gives ~1.87e-2). Computed in f32 with every sum
+    in a fixed order (torch's CPU order, see _make_qx_scales), so not byte-identical with ggml's C, but the same
+    bytes on every machine. Speed (docs/BENCHMARKS.md): a 248,320 x 2,560 head in ~47 s of CPU time."""
     return _encode(w, QT.Q6_K, name)
 
 
@@ -469,6 +520,7 @@ def f32_to_bf16(w) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 if __name__ == "__main__":  # python -m l47.model.quants [V] [n] [device]: throughput and memory at head size
+    import os
     import resource
     import sys
     import time
@@ -523,3 +575,14 @@ if __name__ == "__main__":  # python -m l47.model.quants [V] [n] [device]: throu
         rel = float((y - x).norm() / x.norm())
         print(f"{qt.name:5s} {rows}x{n} on {dev}: quantize {x.numel() / (t1 - t0) / 1e6:8.1f} Mw/s, "
               f"dequantize {x.numel() / (t3 - t2) / 1e6:8.1f} Mw/s, rel RMSE {rel:.2e}")
+
+    # 3. Q6_K quantize of the whole [V, n] head (Gaussian rows), wall and CPU time, with the machine's load
+    x = torch.randn(V, n, generator=torch.Generator().manual_seed(1)).to(dev)  # [V, n]
+    load0 = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
+    r = quantize(x, QT.Q6_K)
+    sync()
+    t1, c1 = time.perf_counter(), time.process_time()
+    print(f"Q6_K quantize {V}x{n} on {dev} ({torch.get_num_threads()} torch threads): {t1 - t0:.1f} s wall, "
+          f"{c1 - c0:.1f} s CPU, {x.numel() / (t1 - t0) / 1e6:.1f} Mw/s; load average {load0:.1f} -> "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
