@@ -25,6 +25,7 @@ stored f32 (`ref_logits` f16, as the dump schema says).
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,7 @@ def engine_meta(model, *, source: str, policy: str | None) -> dict:
         "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
         "settings": {
             "dtype": str(p.dtype).removeprefix("torch."),
-            "device": p.device.type,
+            "device": compute_device_type(model),  # not the placement: it does not change the numbers
             "path": "prompt",  # one full-sequence forward per document
             "weights": source,  # "gguf" (dequantised under weight_policy) or "hf-checkpoint"
             "weight_policy": policy,
@@ -95,6 +96,167 @@ def engine_meta(model, *, source: str, policy: str | None) -> dict:
             "machine": platform.machine(),
         },
     }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# placement across devices (accelerate, the transformers convention)
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named strategies
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model's layers live. device_map: None (one device: the `device` argument), a strategy name from
+    DEVICE_MAPS, or an explicit {module name: device} map (values: GPU index, "cuda:i", "cpu", "disk");
+    max_memory: {device: bytes or "70GiB"} caps per device ("cpu" = host RAM, "disk" = unlimited offload);
+    offload_dir: the folder for layers placed on "disk"."""
+
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_dir: str | None = None
+
+
+def _device_key(k: str):
+    return int(k) if str(k).isdigit() else str(k)
+
+
+def parse_placement(device_map: str | None, max_memory: str | None, offload_dir=None,
+                    where: str = "--device-map") -> Placement:
+    """CLI strings -> Placement. device_map: a name from DEVICE_MAPS or a JSON object {module: device};
+    max_memory: JSON ({"0": "70GiB", "cpu": "200GiB"}) or "0=70GiB,1=70GiB,cpu=200GiB"."""
+    dm = None
+    if device_map:
+        if device_map in DEVICE_MAPS:
+            dm = device_map
+        else:
+            try:
+                dm = json.loads(device_map)
+            except json.JSONDecodeError:
+                dm = None
+            if not isinstance(dm, dict) or not dm:
+                raise L47Error(where, "device map", f"one of {list(DEVICE_MAPS)} or a JSON object "
+                               '{"module.name": device}', repr(device_map))
+            dm = {str(k): _device_key(v) if isinstance(v, str) else v for k, v in dm.items()}
+    mm = None
+    if max_memory:
+        try:
+            mm = json.loads(max_memory)
+        except json.JSONDecodeError:
+            mm = dict(kv.split("=", 1) for kv in max_memory.split(",") if "=" in kv) or None
+        if not isinstance(mm, dict) or not mm:
+            raise L47Error("--max-memory", "per-device caps", 'JSON {"0": "70GiB", "cpu": "200GiB"} or '
+                           "0=70GiB,cpu=200GiB", repr(max_memory))
+        mm = {_device_key(k): v for k, v in mm.items()}
+        if dm is None:
+            dm = "auto"  # transformers: max_memory alone means an automatic map under those caps
+    if isinstance(dm, dict) and mm is not None:
+        raise L47Error("--max-memory", "combination", "caps with a strategy name (auto, balanced, ...), not with "
+                       "an explicit map", "both")
+    return Placement(dm, mm, str(offload_dir) if offload_dir else None)
+
+
+def _no_split(model) -> list[str]:
+    return sorted(getattr(model, "_no_split_modules", None) or [])  # a decoder layer is never cut in two
+
+
+def resolve_device_map(model, placement: Placement) -> dict:
+    """The explicit {module: device} map for `placement` (accelerate's infer_auto_device_map for a strategy)."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    dm = placement.device_map
+    if isinstance(dm, dict):
+        return dict(dm)
+    mm = placement.max_memory
+    if dm in ("balanced", "balanced_low_0"):
+        mm = get_balanced_memory(model, max_memory=mm, no_split_module_classes=_no_split(model),
+                                 low_zero=dm == "balanced_low_0")
+    return dict(infer_auto_device_map(model, max_memory=mm, no_split_module_classes=_no_split(model)))
+
+
+def place_model(model, placement: Placement | None):
+    """Dispatch an f32 model (built on the CPU) over the devices of `placement` with accelerate's hooks: each
+    module runs on its device (weights placed on "cpu"/"disk" are moved to the next GPU, or run on the CPU,
+    when their turn comes), inputs move along, and the model's outputs come back to the input's device. The
+    layer-L capture hooks (forward hooks on submodules) see the activations wherever the layer runs.
+    None / no device_map: the model unchanged."""
+    if placement is None or placement.device_map is None:
+        return model
+    from accelerate import dispatch_model
+
+    dm = resolve_device_map(model, placement)
+    if "disk" in dm.values() and not placement.offload_dir:
+        raise L47Error("--device-map", "offload folder", "--offload-dir for modules placed on 'disk'",
+                       f"{sum(v == 'disk' for v in dm.values())} module(s) on disk, no folder")
+    unknown = sorted(set(dm) - {n for n, _ in model.named_modules()})
+    if unknown:
+        raise L47Error("--device-map", f"module {unknown[0]!r}", "a module name of the model (e.g. "
+                       "model.layers.3, lm_head)", f"{len(unknown)} unknown name(s)")
+    model = dispatch_model(model, device_map=dm, offload_dir=placement.offload_dir)
+    model.hf_device_map = dm
+    return model
+
+
+def load_hf_placed(path, placement: Placement):
+    """A local transformers checkpoint directory loaded straight onto its devices (from_pretrained with
+    device_map / max_memory / offload_folder: weights go to their device shard by shard, never the whole model
+    on the host), f32, eval mode."""
+    from transformers import Qwen4ExpForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise L47Error(path, "config.json", "a transformers checkpoint directory", "no config.json")
+    try:
+        model = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                    device_map=placement.device_map,
+                                                    max_memory=placement.max_memory,
+                                                    offload_folder=placement.offload_dir)
+    except (OSError, ValueError) as e:
+        raise L47Error(path, "checkpoint", "a loadable Qwen4Exp checkpoint", f"{type(e).__name__}: {e}") from None
+    return model.eval()
+
+
+def param_values(model, name: str) -> torch.Tensor:
+    """A parameter's values wherever the device map put it: an offloaded one (left on the meta device) is read
+    back from the weights map of the accelerate hook that loads it (on the nearest enclosing module)."""
+    t = model.get_parameter(name)
+    if t.device.type != "meta":
+        return t
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        hook = getattr(model.get_submodule(".".join(parts[:i])), "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            wm = getattr(h, "weights_map", None)
+            key = ".".join(parts[i:])
+            if wm is not None and key in wm:
+                return wm[key]
+    raise L47Error("device map", f"parameter {name}", "its values (on a device or in an offload map)",
+                   "only a meta placeholder")
+
+
+def _as_device(v) -> torch.device:
+    if isinstance(v, int):
+        return torch.device("cuda", v)
+    return torch.device("cpu") if str(v) in ("disk", "meta") else torch.device(str(v))
+
+
+def input_device(model) -> torch.device:
+    """Where a forward's input ids go: the embedding's device under a device map (its execution device; "cpu"
+    when it is offloaded), else the device of the model's parameters."""
+    dm = getattr(model, "hf_device_map", None)
+    if dm:
+        emb = next((n for n, mod in model.named_modules() if mod is model.get_input_embeddings()), "")
+        keys = [k for k in dm if k == "" or emb == k or emb.startswith(k + ".")]
+        return _as_device(dm[max(keys, key=len)] if keys else next(iter(dm.values())))
+    return next(model.parameters()).device
+
+
+def compute_device_type(model) -> str:
+    """"cuda" when any module runs on a GPU (offloaded modules run on the GPU too), else the parameters' type."""
+    dm = getattr(model, "hf_device_map", None)
+    if dm:
+        return "cuda" if any(_as_device(v).type == "cuda" for v in dm.values()) else "cpu"
+    return next(model.parameters()).device.type
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,7 +286,7 @@ def capture(model, input_ids, layer: int | None = None, *, ref_logits: bool = Fa
     if not 0 <= L < n_layers:
         raise L47Error(where, "layer", f"0..{n_layers - 1}", str(layer))
     ids = _check_ids(model, input_ids, where, 2)
-    dev = next(model.parameters()).device
+    dev = input_device(model)
     blk = model.model.layers[L]
     got: dict[str, torch.Tensor] = {}
     T1 = ids.numel()
@@ -211,7 +373,7 @@ def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: flo
     if not 0 < s.top_p <= 1:
         raise L47Error(where, "top_p", "in (0, 1]", str(top_p))
     ids = _check_ids(model, prompt_ids, where, 1)
-    dev = next(model.parameters()).device
+    dev = input_device(model)
     gen = torch.Generator().manual_seed(s.seed)
     out: list[int] = []
     if s.max_new_tokens == 0:
@@ -240,14 +402,14 @@ def tail_weights_from_model(model, model_sha: str, layer: int | None = None):
     last = int(c.num_hidden_layers) - 1
     if layer is not None and int(layer) != last:
         raise L47Error("tail weights", "layer", f"the last layer {last}", str(layer))
-    mixer = model.model.hyper_connection_mixer
-    f32 = lambda t: t.detach().float().clone()  # noqa: E731
+    mixer = "model.hyper_connection_mixer"
+    f32 = lambda name: param_values(model, name).detach().float().cpu().clone()  # noqa: E731
     return TailWeights(
         layer=last, n=int(c.hidden_size), f=int(c.shared_expert_intermediate_size), hc=int(c.hc_count),
         r=int(c.hc_lowrank), V=int(c.vocab_size), eps=float(c.rms_norm_eps),
-        W_sd=f32(model.model.layers[last].mlp.shared_expert.down_proj.weight),
-        onorm=(1.0 + f32(mixer.hc_norm.weight)).reshape(int(c.hc_count), int(c.hidden_size)),
-        odown=f32(mixer.input_mix_weight_down.weight), oup=f32(mixer.input_mix_weight_up.weight),
-        head=f32(model.lm_head.weight), head_scale=None, target=names.target_tensor(last),
+        W_sd=f32(f"model.layers.{last}.mlp.shared_expert.down_proj.weight"),
+        onorm=(1.0 + f32(f"{mixer}.hc_norm.weight")).reshape(int(c.hc_count), int(c.hidden_size)),
+        odown=f32(f"{mixer}.input_mix_weight_down.weight"), oup=f32(f"{mixer}.input_mix_weight_up.weight"),
+        head=f32("lm_head.weight"), head_scale=None, target=names.target_tensor(last),
         target_type=0, model_sha256=model_sha, policy="exact", path=model_sha,
     )

@@ -466,3 +466,72 @@ def test_engine_on_transplanted_bundle_matches_tail_prediction(tmp_path, tiny_gg
         moved = np.abs(edited.ref_logp - base.ref_logp).max()
         assert moved > 1e-2  # the edit really changes the model
         assert np.abs(pred - edited.ref_logp).max() <= TOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the engine across devices (accelerate): on this CPU-only machine the split is host RAM + disk offload, which
+# runs every offloaded module through accelerate's hooks (weights loaded from the offload folder at its turn)
+
+
+def _dump_bytes(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("how", ["explicit", "max_memory"])
+def test_run_dump_across_devices_byte_identical(tmp_path, tiny_gguf, base_dumps, how):
+    """Tolerance 0 (file bytes): the same f32 operations run on the same CPU, only the weights' home differs;
+    the capture hooks on layer L fire although its weights live on disk until their turn."""
+    from l47.app.dumping import run_dump
+    from l47.engine.gguf_export import load_hf_from_gguf
+
+    s0, docs, out0 = base_dumps
+    model = load_hf_from_gguf(tiny_gguf)
+    top = [n for n, _ in model.named_children()]  # model, lm_head
+    inner = [f"model.{n}" for n, _ in model.model.named_children() if n != "layers"]
+    layers = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    if how == "explicit":  # layer L and the head offloaded to disk, the rest in host RAM
+        dm = {k: "cpu" for k in inner + layers[:-1]} | {layers[-1]: "disk", "lm_head": "disk"}
+        assert set(top) == {"model", "lm_head"}
+        placement = eng.parse_placement(json.dumps(dm), None, tmp_path / "offload")
+    else:  # caps: host RAM holds ~40 % of the weights, accelerate puts the rest on disk
+        from accelerate.utils import compute_module_sizes
+
+        cap = int(compute_module_sizes(model)[""] * 0.4)
+        placement = eng.parse_placement("auto", json.dumps({"cpu": cap, "disk": "1000GiB"}), tmp_path / "offload")
+    placed = eng.place_model(load_hf_from_gguf(tiny_gguf), placement)
+    assert "disk" in placed.hf_device_map.values() and "cpu" in placed.hf_device_map.values()
+    assert eng.input_device(placed).type == "cpu" and eng.compute_device_type(placed) == "cpu"
+    s = run_dump("hf", tiny_gguf, docs, tmp_path / "out", placement=placement)
+    assert [r.status for r in s.results] == ["written", "written"]
+    got, want = _dump_bytes(tmp_path / "out"), _dump_bytes(out0)
+    assert list(got) == list(want) and all(got[k] == want[k] for k in want)
+
+
+def test_checkpoint_dir_across_devices_byte_identical(tmp_path, tiny_hf_model, tiny_vocab):
+    """A transformers checkpoint loaded straight onto its devices (from_pretrained with max_memory)."""
+    from l47.app.dumping import run_dump
+
+    tiny_hf_model(0).save_pretrained(tmp_path / "ckpt")
+    docs = _docs(tmp_path, "plain")
+    run_dump("hf", tmp_path / "ckpt", docs, tmp_path / "one", vocab=tiny_vocab)
+    placement = eng.parse_placement(None, "cpu=3MiB,disk=1000GiB", tmp_path / "offload")
+    assert placement.device_map == "auto" and placement.max_memory == {"cpu": "3MiB", "disk": "1000GiB"}
+    s = run_dump("hf", tmp_path / "ckpt", docs, tmp_path / "split", vocab=tiny_vocab, placement=placement)
+    assert [r.status for r in s.results] == ["written"]
+    assert _dump_bytes(tmp_path / "split") == _dump_bytes(tmp_path / "one")
+
+
+def test_placement_refuses_bad_input(tmp_path, tiny_gguf):
+    from l47.engine.gguf_export import load_hf_from_gguf
+
+    with pytest.raises(L47Error, match="device map"):
+        eng.parse_placement("everywhere", None)
+    with pytest.raises(L47Error, match="max-memory"):
+        eng.parse_placement(None, "lots")
+    with pytest.raises(L47Error, match="explicit map"):
+        eng.parse_placement('{"model": "cpu", "lm_head": "cpu"}', "cpu=1GiB")
+    with pytest.raises(L47Error, match="offload folder"):
+        eng.place_model(load_hf_from_gguf(tiny_gguf), eng.parse_placement('{"model": "cpu", "lm_head": "disk"}', None))
+    with pytest.raises(L47Error, match="module 'model.layer.0'"):
+        eng.place_model(load_hf_from_gguf(tiny_gguf), eng.parse_placement('{"model.layer.0": "cpu"}', None))
+    assert eng.parse_placement(None, None) == eng.Placement()

