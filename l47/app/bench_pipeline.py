@@ -47,6 +47,7 @@ WORDS = (" than", " what", " end", " away", " version", " actually")
 KLD_DOMAINS = ("ops", "json", "prose")
 KEY_COL, BIAS_COL = 5, 40  # hh columns: the prefix key, the constant feature
 KEY, BIAS = 3.0, 2.0
+WORLD_VERSION = 2  # bump when the world's recipe changes: a cached world of another version is rebuilt
 ROWS = 256  # rows per full-vocabulary logits block while fitting yr ([ROWS, V] f32: 254 MB at V = 248,320)
 
 
@@ -185,12 +186,12 @@ def _logp_rows(w, rows: dict, alpha: torch.Tensor) -> torch.Tensor:
         h = h / h.norm(dim=1, keepdim=True)  # [P', n]
         mix = tail_mix(rows["R"][s], rows["inj"][s], rows["hh"][s], rows["sgv"][s],
                        rows["yr"][s] + alpha[s, None] * h, w)  # [P', n]
-        z = full_logits(mix, w)  # [P', V] f32
-        out.append(torch.log_softmax(z.double(), -1).gather(1, tg[:, None])[:, 0])
+        z = full_logits(mix, w)  # [P', V] f32 (a fit to ~1e-3 nats needs no f64)
+        out.append(z.gather(1, tg[:, None])[:, 0] - torch.logsumexp(z, -1))
     return torch.cat(out)
 
 
-def _bisect(w, rows: dict, goal: torch.Tensor, iters: int = 20) -> torch.Tensor:
+def _bisect(w, rows: dict, goal: torch.Tensor, iters: int = 18) -> torch.Tensor:
     """alpha [P] with log p(target)(alpha) = goal [P] (log p rises with alpha along the target's own head row)."""
     lo = torch.full_like(goal, -64.0)
     hi = torch.full_like(goal, 256.0)
@@ -210,7 +211,7 @@ def _rows(w, arrs: list[dict], picks: list[np.ndarray]) -> dict:
 
 
 @torch.no_grad()
-def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sample: int = 512) -> dict:
+def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sample: int = 128) -> dict:
     """Move yr in place (see the module docstring). Returns fit figures."""
     rng = np.random.default_rng(seed)
     # 1. calibration sample of ordinary rows: alpha for p ~ U(0.05, 0.9)
@@ -219,8 +220,8 @@ def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sam
     picks = [np.array([t for k in pick if all_rows[k][0] == i for t in [all_rows[k][1]]], dtype=np.int64)
              for i in range(len(arrs))]
     rows = _rows(w, arrs, picks)
-    goal = torch.from_numpy(np.log(rng.uniform(0.05, 0.9, rows["tg"].numel()))).to(w.head.device)
-    calib = _bisect(w, rows, goal).cpu().numpy()
+    goal = torch.from_numpy(np.log(rng.uniform(0.05, 0.9, rows["tg"].numel()))).float().to(w.head.device)
+    calib = _bisect(w, rows, goal, iters=12).cpu().numpy()  # offsets to ~0.08: a distribution, not a fit
     # 2. every row: an offset drawn from the calibrated ones
     for a in arrs:
         T = a["yr"].shape[0]
@@ -233,7 +234,7 @@ def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sam
     err = 0.0
     if n_ev:
         rows = _rows(w, arrs, events)
-        goal = torch.from_numpy(np.log(rng.uniform(0.3, 0.95, n_ev))).to(w.head.device)
+        goal = torch.from_numpy(np.log(rng.uniform(0.3, 0.95, n_ev))).float().to(w.head.device)
         alpha = _bisect(w, rows, goal)
         err = float((_logp_rows(w, rows, alpha) - goal).abs().max())
         h = w.head[rows["tg"]]
@@ -296,7 +297,7 @@ def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=
 
     root.mkdir(parents=True, exist_ok=True)
     stamp = root / "world.json"
-    key = {"size": asdict(size), "seed": seed}
+    key = {"size": asdict(size), "seed": seed, "version": WORLD_VERSION}
     if stamp.is_file():
         info = json.loads(stamp.read_text())
         if info.get("key") == json.loads(json.dumps(key)):
@@ -324,8 +325,10 @@ def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=
         arrs.append(a)
         events.append(ev)
     t1 = time.perf_counter()
+    say(f"fitting the states ({sum(len(e) for e in events)} event rows): {t1 - t0:.0f} s so far")
     fit = fit_states(w, arrs, events, seed)
     t_fit = time.perf_counter() - t1
+    say(f"writing the dumps: {time.perf_counter() - t0:.0f} s so far")
     by_set: dict[str, list[str]] = {}
     dumps = root / "dumps"
     if dumps.exists():
