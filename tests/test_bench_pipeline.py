@@ -5,15 +5,21 @@ every set of the experiment is populated. (Timings live in docs/BENCHMARKS.md, n
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from l47.app import bench_pipeline as bp
 
 
-def test_document_specs_hold_prefix_exact_events_and_chat_structure():
-    from l47.dumps.select import chat_structure, find_collateral, find_events, phrases_to_tuples
-    from l47.model.vocab import vocab_qwen36
+@pytest.mark.parametrize("which", ["qwen36", "demo"])
+def test_document_specs_hold_prefix_exact_events_and_chat_structure(which):
+    """Both vocabularies the benchmark uses: the real one (full size) and the demo BPE (reduced size)."""
+    from tokenizers import Tokenizer
 
-    vocab = vocab_qwen36()
+    from l47.dumps.select import chat_structure, find_collateral, find_events, phrases_to_tuples
+    from l47.model.vocab import vocab_qwen36, vocab_from_kv, vocab_to_gguf_kv
+
+    vocab = vocab_qwen36() if which == "qwen36" else vocab_from_kv(
+        vocab_to_gguf_kv(Tokenizer.from_file(str(bp.DEMO_DATA / "tokenizer.json"))), "demo")
     size = bp.REDUCED
     specs = bp.document_specs(size, vocab, seed=3)
     n_kld = len(bp.KLD_DOMAINS) * size.kld

@@ -27,7 +27,7 @@ max_memory_allocated above the stage's start. The audit verdict is reported but 
 from __future__ import annotations
 
 import json
-import math
+import os
 import re
 import shutil
 import tempfile
@@ -66,12 +66,15 @@ class PipelineSize:
     chat_heldout: int
     events_per_doc: int  # planted banned phrases per pool document
     collateral_min_total: int
+    vocab: str = "qwen36"  # "qwen36": the real vocabulary (no tokenizer metadata in the GGUF); "demo": the demo
+    # model's 3,072-token BPE (l47/demo_data/tokenizer.json) written into the GGUF, so V can be small
 
 
 FULL = PipelineSize("full", SynthDims(n=2560, f=640, r=320, hc=4, V=248_320, n_layers=48), tokens=1000, pool=120,
                     collateral=40, background=20, kld=4, chat_heldout=8, events_per_doc=3, collateral_min_total=200)
-REDUCED = PipelineSize("reduced", SynthDims(n=256, f=128, r=32, hc=4, V=248_320, n_layers=4), tokens=250, pool=24,
-                       collateral=8, background=4, kld=1, chat_heldout=2, events_per_doc=2, collateral_min_total=20)
+REDUCED = PipelineSize("reduced", SynthDims(n=256, f=128, r=32, hc=4, V=4096, n_layers=4), tokens=250, pool=24,
+                       collateral=8, background=4, kld=1, chat_heldout=2, events_per_doc=2, collateral_min_total=20,
+                       vocab="demo")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def _experiment(root: Path, model: Path, by_set: dict[str, list[str]], size: Pip
     phrases = "\n".join(f'[[phrases]]\ntext = "{p}"\n' for p in PHRASES)
     text = f'''name = "l47 pipeline benchmark ({size.name})"
 model = {json.dumps(str(model))}
-vocab = "qwen36"
+vocab = "{'gguf' if size.vocab == 'demo' else 'qwen36'}"
 policy = "strata"
 
 [sets]
@@ -286,14 +289,39 @@ max_anchors_per_word = 8
     return write_text_atomic(root / "experiment.toml", text)
 
 
+def _write_model(path: Path, size: PipelineSize, seed: int):
+    """The synthetic GGUF; with size.vocab "demo" the demo BPE as its tokenizer metadata (padded to V with unused
+    tokens, as real files are). Returns the vocabulary the experiment will use."""
+    from l47.model.vocab import vocab_from_gguf, vocab_qwen36
+    from l47.testing.synth import write_synth_gguf
+
+    if size.vocab == "qwen36":
+        write_synth_gguf(path, size.dims, seed=seed, unknown_type_tensor=False)
+        return vocab_qwen36()
+    from tokenizers import Tokenizer
+
+    from l47.engine.gguf_export import _TOKENIZER_TYPES
+    from l47.model import names
+    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
+    from l47.model.vocab import TT_UNUSED, vocab_to_gguf_kv
+
+    kv = vocab_to_gguf_kv(Tokenizer.from_file(str(DEMO_DATA / "tokenizer.json")))
+    pad = size.dims.V - len(kv[names.K_TOK_TOKENS])
+    kv[names.K_TOK_TOKENS] = kv[names.K_TOK_TOKENS] + [f"[PAD{i}]" for i in range(pad)]
+    kv[names.K_TOK_TYPES] = kv[names.K_TOK_TYPES] + [TT_UNUSED] * pad
+    raw = write_synth_gguf(path.with_suffix(".raw.gguf"), size.dims, seed=seed, unknown_type_tensor=False)
+    copy_with_tensor_replaced(raw, path, {}, extra_kv=kv, extra_kv_types=_TOKENIZER_TYPES)
+    raw.unlink()
+    return vocab_from_gguf(open_gguf(path))
+
+
 def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=None) -> dict:
     """Model, dumps and experiment file under `root` (reused when root/world.json says they are complete)."""
     from l47.dumps import DumpMeta, write_dump
     from l47.dumps.select import find_events, phrases_to_tuples
     from l47.model import names
-    from l47.model.vocab import vocab_qwen36
     from l47.model.weights import load_tail_weights
-    from l47.testing.synth import synth_dump_arrays, write_synth_gguf
+    from l47.testing.synth import synth_dump_arrays
 
     root.mkdir(parents=True, exist_ok=True)
     stamp = root / "world.json"
@@ -306,10 +334,9 @@ def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=
     t0 = time.perf_counter()
     model = root / "base.gguf"
     say(f"writing the synthetic model {model} ({size.dims})")
-    write_synth_gguf(model, size.dims, seed=seed, unknown_type_tensor=False)
+    vocab = _write_model(model, size, seed)
     t_model = time.perf_counter() - t0
     w = load_tail_weights(model, policy="strata", device=device)
-    vocab = vocab_qwen36()
     pts, _ = phrases_to_tuples(PHRASES, vocab)
     specs = document_specs(size, vocab, seed)
     say(f"synthesising {len(specs)} documents")
@@ -368,17 +395,28 @@ def _stage(name: str, fn, device: str, out: dict, log) -> object:
     host0 = _host_peak_reset()
     dev0 = _reset_peak(device) if device.startswith("cuda") else 0
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = fn()
     _sync(device)
     dt = time.perf_counter() - t0
-    out[name] = {"wall_s": dt, "host_peak_extra_bytes": _peak("cpu") - host0}
+    out[name] = {"wall_s": dt, "cpu_s": time.process_time() - c0, "host_peak_extra_bytes": _peak("cpu") - host0}
     if device.startswith("cuda"):
         out[name]["device_peak_extra_bytes"] = _peak(device) - dev0
-    log(f"{name}: {dt:.1f} s, host peak +{out[name]['host_peak_extra_bytes'] / 2**30:.2f} GiB"
+    log(f"{name}: {dt:.1f} s ({out[name]['cpu_s']:.1f} s CPU), host peak +{out[name]['host_peak_extra_bytes'] / 2**30:.2f} GiB"
         + (f", device peak +{out[name]['device_peak_extra_bytes'] / 2**30:.2f} GiB" if device.startswith("cuda")
            else ""))
     return res
+
+
+def _claims_summary(c: dict) -> dict:
+    out = {k: c[k] for k in ("dW_rel_norm", "background_kl_exact") if k in c}
+    for k in ("train_p_rejected", "dev_p_rejected"):
+        if k in c:
+            out[k] = {x: c[k][x] for x in ("before", "after", "n")}
+    if "anchors" in c:
+        out["anchors"] = c["anchors"]["n"]
+    out["method"] = {k: v for k, v in (c.get("method") or {}).items() if isinstance(v, (int, float, str))}
+    return out
 
 
 def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print) -> dict:
@@ -426,7 +464,7 @@ def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print)
             "world_reused": world_s < 0.5 * world["setup_s"]["total"],
             "events": counts, "refused_docs": sum(1 for d in report.docs if d.refused),
             "stages": stages, "total_s": total,
-            "solve": {k: claims.get(k) for k in ("gn_steps", "violation", "dW_rel_norm") if k in claims},
+            "solve": _claims_summary(claims), "load_average": os.getloadavg(),
             "audit_passed": bool(audit.passed), "audit_failed_bars": [b.name for b in audit.bars if not b.passed],
         }
     finally:
@@ -442,12 +480,13 @@ def print_pipeline(r: dict, console) -> None:
                   f"{w['docs']} documents, {w['positions']:,} positions, {r['refused_docs']} refused; events "
                   f"{r['events']}; world setup {w['setup_s']['total']:.0f} s"
                   f"{' (reused)' if r['world_reused'] else ''}", highlight=False)
-    t = Table("stage", "wall s", "host peak +GiB", "device peak +GiB")
+    t = Table("stage", "wall s", "CPU s", "host peak +GiB", "device peak +GiB")
     for name, s in r["stages"].items():
         dev = s.get("device_peak_extra_bytes")
-        t.add_row(name, f"{s['wall_s']:.1f}", f"{s['host_peak_extra_bytes'] / 2**30:.2f}",
+        t.add_row(name, f"{s['wall_s']:.1f}", f"{s['cpu_s']:.1f}", f"{s['host_peak_extra_bytes'] / 2**30:.2f}",
                   "—" if dev is None else f"{dev / 2**30:.2f}")
-    t.add_row("[bold]total", f"[bold]{r['total_s']:.1f}", "", "")
+    t.add_row("[bold]total", f"[bold]{r['total_s']:.1f}", "", "", "")
     console.print(t)
+    console.print(f"solve: {r['solve']}; load average {r['load_average'][0]:.1f}", highlight=False)
     console.print(f"audit verdict {'PASS' if r['audit_passed'] else 'FAIL'} (synthetic model; failed bars: "
                   f"{', '.join(r['audit_failed_bars']) or 'none'})", highlight=False)
