@@ -54,7 +54,10 @@ def context_text(vocab, tokens: np.ndarray, t: int, n: int = CONTEXT_TOKENS) -> 
 
 
 def tok_text(vocab, i: int) -> str:
-    return vocab.decode([int(i)])
+    """One token id's text. The head may have more rows than the vocabulary has tokens (Qwen3.6's tiktoken file:
+    248,077 ids for V = 248,320), and a model can still predict such an id: shown as <id N>."""
+    i = int(i)
+    return vocab.decode([i]) if 0 <= i < vocab.size else f"<id {i}>"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -278,7 +278,7 @@ def _esc(s: str) -> str:
 
 def render_tsv(docs, vocab, special_ids, sims) -> str:
     from l47.model import names
-    from l47.evals.metrics import SPECIAL
+    from l47.evals.metrics import SPECIAL, tok_text
 
     spec = np.array(sorted(set(int(i) for i in special_ids.values())), dtype=np.int64)
     lines = ["\t".join(TSV_COLUMNS)]
@@ -296,7 +296,7 @@ def render_tsv(docs, vocab, special_ids, sims) -> str:
             row = [d.set, d.path, d.sha256, t, names.ROLES[int(d.role[t])], kind, int(tg[t]),
                    _esc(vocab.decode([int(tg[t])])), f"{b.logp_target[t]:.6f}", f"{n.logp_target[t]:.6f}",
                    f"{d.ps.dlogp[t]:.6f}", f"{d.ps.kld[t]:.8f}", int(b.argmax[t]), int(n.argmax[t]),
-                   _esc(vocab.decode([int(b.argmax[t])])), _esc(vocab.decode([int(n.argmax[t])])),
+                   _esc(tok_text(vocab, b.argmax[t])), _esc(tok_text(vocab, n.argmax[t])),
                    f"{psb[t]:.6g}", f"{psn[t]:.6g}", "" if al is None else f"{al.logp_target[t]:.6f}",
                    "" if st is None else f"{st.logp_target[t]:.6f}"]
             lines.append("\t".join(str(x) for x in row))

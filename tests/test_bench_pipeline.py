@@ -47,3 +47,14 @@ def test_document_specs_hold_prefix_exact_events_and_chat_structure(which):
                                       "chat_heldout"] + [f"kld.{d}" for d in bp.KLD_DOMAINS])
     # same seed -> same documents
     assert bp.document_specs(size, vocab, seed=3) == specs
+
+
+def test_token_text_of_head_rows_beyond_the_vocabulary():
+    """The full-size benchmark's model has V = 248,320 head rows and the Qwen3.6 vocabulary 248,077 ids: the audit's
+    per-position table must show a predicted id past the vocabulary instead of failing (the first H200 run did)."""
+    from l47.evals.metrics import tok_text
+    from l47.model.vocab import vocab_qwen36
+
+    v = vocab_qwen36()
+    assert tok_text(v, v.encode(" than")[0]) == " than"
+    assert tok_text(v, v.size + 234) == f"<id {v.size + 234}>"

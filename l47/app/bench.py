@@ -155,6 +155,10 @@ def run_bench(args: BenchArgs, console) -> dict:
         print_pipeline(r, console)
     if args.json_out:
         write_text_atomic(args.json_out, json.dumps(out, indent=2))
+    if (out.get("pipeline") or {}).get("error"):
+        from l47.errors import L47Error
+
+        raise L47Error("l47 bench --what pipeline", "stage", "every stage to finish", out["pipeline"]["error"])
     return out
 
 

@@ -47,7 +47,7 @@ WORDS = (" than", " what", " end", " away", " version", " actually")
 KLD_DOMAINS = ("ops", "json", "prose")
 KEY_COL, BIAS_COL = 5, 40  # hh columns: the prefix key, the constant feature
 KEY, BIAS = 3.0, 2.0
-WORLD_VERSION = 2  # bump when the world's recipe changes: a cached world of another version is rebuilt
+WORLD_VERSION = 3  # bump when the world's recipe changes: a cached world of another version is rebuilt
 ROWS = 256  # rows per full-vocabulary logits block while fitting yr ([ROWS, V] f32: 254 MB at V = 248,320)
 
 
@@ -67,7 +67,7 @@ class PipelineSize:
     events_per_doc: int  # planted banned phrases per pool document
     collateral_min_total: int
     vocab: str = "qwen36"  # "qwen36": the real vocabulary (no tokenizer metadata in the GGUF); "demo": the demo
-    # model's 3,072-token BPE (l47/demo_data/tokenizer.json) written into the GGUF, so V can be small
+    # model's 3,072-token BPE (l47/demo_data/tokenizer.json) written into the GGUF, so V can be small (4,096)
 
 
 FULL = PipelineSize("full", SynthDims(n=2560, f=640, r=320, hc=4, V=248_320, n_layers=48), tokens=1000, pool=120,
@@ -290,8 +290,8 @@ max_anchors_per_word = 8
 
 
 def _write_model(path: Path, size: PipelineSize, seed: int):
-    """The synthetic GGUF; with size.vocab "demo" the demo BPE as its tokenizer metadata (padded to V with unused
-    tokens, as real files are). Returns the vocabulary the experiment will use."""
+    """The synthetic GGUF; with size.vocab "demo" the demo BPE as its tokenizer metadata. Returns the vocabulary
+    the experiment will use."""
     from l47.model.vocab import vocab_from_gguf, vocab_qwen36
     from l47.testing.synth import write_synth_gguf
 
@@ -301,14 +301,11 @@ def _write_model(path: Path, size: PipelineSize, seed: int):
     from tokenizers import Tokenizer
 
     from l47.engine.gguf_export import _TOKENIZER_TYPES
-    from l47.model import names
     from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
-    from l47.model.vocab import TT_UNUSED, vocab_to_gguf_kv
+    from l47.model.vocab import vocab_to_gguf_kv
 
-    kv = vocab_to_gguf_kv(Tokenizer.from_file(str(DEMO_DATA / "tokenizer.json")))
-    pad = size.dims.V - len(kv[names.K_TOK_TOKENS])
-    kv[names.K_TOK_TOKENS] = kv[names.K_TOK_TOKENS] + [f"[PAD{i}]" for i in range(pad)]
-    kv[names.K_TOK_TYPES] = kv[names.K_TOK_TYPES] + [TT_UNUSED] * pad
+    kv = vocab_to_gguf_kv(Tokenizer.from_file(str(DEMO_DATA / "tokenizer.json")))  # 3,072 < V rows: like the
+    # full size's Qwen3.6 file (248,077 < 248,320), the head has rows no token string names
     raw = write_synth_gguf(path.with_suffix(".raw.gguf"), size.dims, seed=seed, unknown_type_tensor=False)
     copy_with_tensor_replaced(raw, path, {}, extra_kv=kv, extra_kv_types=_TOKENIZER_TYPES)
     raw.unlink()
@@ -444,17 +441,25 @@ def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print)
             shutil.rmtree(runs)
         runs.mkdir()
         stages: dict = {}
-        report = _stage("sets", lambda: build_sets(exp, device=device), device, stages, log)
-        sets_json = write_sets_json(report, runs / "sets.json")
-        bundle, ledger = runs / "bundle.gguf", runs / "ledger.jsonl"
-        claims = _stage("solve", lambda: run_solve(SolveArgs(exp, "wfld", bundle, device=device, ledger=ledger,
-                                                             sets_json=sets_json), log=lambda m: None),
-                        device, stages, log)
-        audit = _stage("audit", lambda: run_audit(AuditArgs(bundle, Path(world["model"]), exp, runs / "audit",
-                                                            ledger=ledger, device=device, plots=False)),
-                       device, stages, log)
-        counts = report.counts("events")
-        total = sum(v["wall_s"] for v in stages.values())
+        res: dict = {}
+        error = None
+        steps = (
+            ("sets", lambda: build_sets(exp, device=device)),
+            ("solve", lambda: run_solve(SolveArgs(exp, "wfld", runs / "bundle.gguf", device=device,
+                                                  ledger=runs / "ledger.jsonl",
+                                                  sets_json=write_sets_json(res["sets"], runs / "sets.json")),
+                                        log=lambda m: None)),
+            ("audit", lambda: run_audit(AuditArgs(runs / "bundle.gguf", Path(world["model"]), exp, runs / "audit",
+                                                  ledger=runs / "ledger.jsonl", device=device, plots=False))),
+        )
+        for name, fn in steps:  # a failing stage ends the run; the figures so far are still returned (and saved)
+            try:
+                res[name] = _stage(name, fn, device, stages, log)
+            except Exception as e:  # noqa: BLE001 - reported in the figures, re-raised by the caller
+                error = f"{name}: {type(e).__name__}: {e}"
+                log(f"[red]{error}[/]")
+                break
+        report, claims, audit = res.get("sets"), res.get("solve"), res.get("audit")
         return {
             "size": size.name, "dims": asdict(size.dims), "device": (torch.cuda.get_device_name() if
                                                                     device.startswith("cuda") else device),
@@ -462,10 +467,13 @@ def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print)
             "world": {k: world[k] for k in ("docs", "positions", "planted_and_natural_event_rows", "fit",
                                             "setup_s", "dump_bytes")},
             "world_reused": world_s < 0.5 * world["setup_s"]["total"],
-            "events": counts, "refused_docs": sum(1 for d in report.docs if d.refused),
-            "stages": stages, "total_s": total,
-            "solve": _claims_summary(claims), "load_average": os.getloadavg(),
-            "audit_passed": bool(audit.passed), "audit_failed_bars": [b.name for b in audit.bars if not b.passed],
+            "events": None if report is None else report.counts("events"),
+            "refused_docs": None if report is None else sum(1 for d in report.docs if d.refused),
+            "stages": stages, "total_s": sum(v["wall_s"] for v in stages.values()),
+            "solve": None if claims is None else _claims_summary(claims), "load_average": os.getloadavg(),
+            "audit_passed": None if audit is None else bool(audit.passed),
+            "audit_failed_bars": None if audit is None else [b.name for b in audit.bars if not b.passed],
+            "error": error,
         }
     finally:
         if tmp is not None:
@@ -488,5 +496,8 @@ def print_pipeline(r: dict, console) -> None:
     t.add_row("[bold]total", f"[bold]{r['total_s']:.1f}", "", "", "")
     console.print(t)
     console.print(f"solve: {r['solve']}; load average {r['load_average'][0]:.1f}", highlight=False)
-    console.print(f"audit verdict {'PASS' if r['audit_passed'] else 'FAIL'} (synthetic model; failed bars: "
-                  f"{', '.join(r['audit_failed_bars']) or 'none'})", highlight=False)
+    if r["audit_passed"] is not None:
+        console.print(f"audit verdict {'PASS' if r['audit_passed'] else 'FAIL'} (synthetic model; failed bars: "
+                      f"{', '.join(r['audit_failed_bars']) or 'none'})", highlight=False)
+    if r["error"]:
+        console.print(f"[red]stopped at {r['error']}[/]", highlight=False)
