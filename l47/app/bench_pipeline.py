@@ -405,14 +405,17 @@ def _stage(name: str, fn, device: str, out: dict, log) -> object:
     return res
 
 
-def _claims_summary(c: dict) -> dict:
-    out = {k: c[k] for k in ("dW_rel_norm", "background_kl_exact") if k in c}
+def _claims_summary(result) -> dict:
+    """The solve's headline claims (l47.data.record.SolveClaims of run_solve's result) as plain numbers."""
+    from dataclasses import asdict as _asdict
+
+    c = result.claims
+    out = {k: getattr(c, k) for k in ("dW_rel_norm", "background_kl_exact", "background_kl_predicted")}
     for k in ("train_p_rejected", "dev_p_rejected"):
-        if k in c:
-            out[k] = {x: c[k][x] for x in ("before", "after", "n")}
-    if "anchors" in c:
-        out["anchors"] = c["anchors"]["n"]
-    out["method"] = {k: v for k, v in (c.get("method") or {}).items() if isinstance(v, (int, float, str))}
+        v = getattr(c, k)
+        out[k] = None if v is None else {"before": v.before, "after": v.after, "n": v.n}
+    out["anchors"] = None if c.anchors is None else c.anchors.n
+    out["convergence"] = None if c.convergence is None else _asdict(c.convergence)
     return out
 
 
