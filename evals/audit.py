@@ -278,10 +278,15 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
 # the solve record: (a), (b), overlap, claims
 
 
-def record_figures(record, record_path, by_sha: dict[str, DocResult], doc_sets: dict[str, dict], pts, thr: float,
-                   vocab, scored_shas: dict[str, str], solver_shas: dict[str, str]) -> dict:
+def record_figures(ctx: "AuditContext", scored_shas: dict[str, str], solver_shas: dict[str, str]) -> dict:
+    """Bars (a), (b) and (c)'s disjointness against the solve record: every slop position prefix-exact and an
+    event, the training documents natural, no record document among the scored ones."""
     from l47.data.record import TERM_BACKGROUND, TERM_SLOP
 
+    record, record_path, by_sha, pts, vocab = ctx.record, ctx.record_path, ctx.by_sha, ctx.pts, ctx.vocab
+    thr = ctx.th.non_event_p
+    doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
+                for dr in ctx.sets_rep.docs}
     overlap = []
     # documents the solver's sets hold that are also scored (a copy under another path)
     for sha, s in solver_shas.items():
@@ -650,10 +655,7 @@ def dev_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict
     """The dev audit's evidence for the bars, and the report's figures."""
     sets_rep, by_sha, vocab, special_ids, th = ctx.sets_rep, ctx.by_sha, ctx.vocab, ctx.special_ids, ctx.th
     scored_shas, solver_shas = _disjointness_shas(ctx)
-    doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
-                for dr in sets_rep.docs}
-    rec = record_figures(ctx.record, ctx.record_path, by_sha, doc_sets, ctx.pts, th.non_event_p, vocab, scored_shas,
-                         solver_shas)
+    rec = record_figures(ctx, scored_shas, solver_shas)
     n_ev = {s: sum(1 for e in sets_rep.events if e.set == s) for s in ("train", "dev", "heldout")}
     tot = sum(n_ev.values())
     split = {"events": n_ev, "heldout_frac": (n_ev["heldout"] / tot) if tot else None, "split": sets_rep.split}

@@ -181,7 +181,8 @@ class Simulated:
 
 def simulate(stats, targets, mask: np.ndarray, finals: Sequence[int], bias: float, finals_key: str = "finals",
              base=None, kld_base_stats=None, token_sets: dict | None = None) -> Simulated:
-    """Apply the penalty exactly to one model's statistics.
+    """Apply the penalty exactly to one model's statistics. (More than eight parameters: the optional ones
+    select the stacked form and which token sets to carry; `penalise_document` is the usual entry.)
 
     stats: HeadStats of the model the sampler sits on (base alone, or the edited model when stacked); it must
     carry set_logp[finals_key] [T, F] in the order of `finals`. targets [T]; mask [T, F] from `penalty_mask`.

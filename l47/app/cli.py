@@ -1,6 +1,8 @@
 """The `l47` command line: each command parses its options into a dataclass and calls one library function.
 
 Bad input (an `L47Error`) prints one red line naming file, field, expected and found, and exits 2 — no traceback.
+A command function has one parameter per command-line option (typer reads them from the signature), so some have
+more than eight; each only builds its Args dataclass and calls the library.
 """
 
 from __future__ import annotations

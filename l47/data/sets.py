@@ -315,13 +315,100 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
 # the whole experiment
 
 
+def _split_pool(docs: list, exp: Experiment, th) -> dict | None:
+    """Seeded split of the pool's accepted documents into train / dev / heldout, in place (d.set); None without
+    a [split] table."""
+    from l47.dumps.select import split_documents
+
+    # by document; key: hash of the token ids, so file names and metadata such as the input path do not matter
+    split_info = None
+    thr = th.non_event_p
+    if exp.split is not None:
+        pool = [d for d in docs if d.set == POOL and not d.report.refused]
+        counts = {}
+        for d in pool:
+            c: dict[str, int] = {}
+            for e, q in d.events:
+                if q >= thr:
+                    c[e.phrase] = c.get(e.phrase, 0) + 1
+            counts[d.content_key] = c
+        res = split_documents(counts, exp.split.seed, exp.split.fractions, th.heldout_frac,
+                              th.min_heldout_per_phrase)
+        for d in pool:
+            d.set = res.assignment[d.content_key]
+            d.report = replace(d.report, set=d.set)
+        split_info = {"seed": exp.split.seed, "fractions": dict(exp.split.fractions),
+                      "assignment": {str(d.path): d.set for d in pool}, "heldout_frac": res.heldout_frac}
+    return split_info
+
+
+def _records(docs: list, thr: float) -> tuple[list, list, list]:
+    """(events, non-events, collateral) records of the accepted documents; an event has base p >= thr."""
+    ev, nev, col = [], [], []
+    for d in docs:
+        if d.report.refused:
+            continue
+        for e, q in d.events:
+            rec = EventRecord(d.set, str(d.path), d.sha, e.pos, e.phrase, tuple(e.tuple), e.final, q,
+                              names.ROLES[e.role], e.in_context_copy, e.role in d.generated_roles)
+            (ev if q >= thr else nev).append(rec)
+        for c, q in d.collateral:
+            col.append(CollateralRecord(d.set, str(d.path), d.sha, c.pos, c.word, c.token_id, q, names.ROLES[c.role]))
+    return ev, nev, col
+
+
+def _warnings(exp, th, issues, docs, ev, col, phrases, words) -> list[str]:
+    """What a user should know about the sets: unusable phrases, refused documents, empty sets, too few held-out
+    events or collateral occurrences. (Eight inputs: every one is a different part of the report being built.)"""
+    warnings: list[str] = []
+    for i in issues:
+        if i.reason.startswith("no multi-token variant"):
+            warnings.append(f"phrase {i.phrase!r}: no multi-token variant, so it can have no events")
+    refused = [d for d in docs if d.report.refused]
+    if refused:
+        warnings.append(f"{len(refused)} document(s) refused (see the refused table)")
+    accepted: dict[str, int] = {}
+    for d in docs:
+        if not d.report.refused:
+            accepted[d.set] = accepted.get(d.set, 0) + 1
+    n_ev = {}
+    for r in ev:
+        n_ev[r.set] = n_ev.get(r.set, 0) + 1
+    for s in EVENT_SETS:
+        listed = s in exp.sets or (exp.split is not None and s in SPLIT_SETS)
+        if listed and accepted.get(s, 0) == 0:
+            warnings.append(f"set {s!r}: no accepted documents")
+        elif listed and n_ev.get(s, 0) == 0:
+            warnings.append(f"set {s!r}: zero events in {accepted[s]} document(s)")
+    split_total = sum(n_ev.get(s, 0) for s in SPLIT_SETS)
+    if split_total:
+        frac = n_ev.get("heldout", 0) / split_total
+        if frac < th.heldout_frac:
+            warnings.append(f"only {frac:.1%} of events held out (< {th.heldout_frac:.0%}, by document)")
+        per = {pt.phrase: 0 for pt in phrases if pt.tuples}
+        for r in ev:
+            if r.set == "heldout":
+                per[r.phrase] = per.get(r.phrase, 0) + 1
+        for ph, n in per.items():
+            if n < th.min_heldout_per_phrase:
+                warnings.append(f"phrase {ph!r}: {n} held-out events (< {th.min_heldout_per_phrase})")
+    ceval = [c for c in col if c.set == "collateral_eval"]
+    if len(ceval) < th.collateral_min_total:
+        warnings.append(f"collateral_eval: {len(ceval)} collateral occurrences (< {th.collateral_min_total})")
+    for wd in words:
+        n = sum(1 for c in ceval if c.word == wd)
+        if n < th.collateral_min_per_word:
+            warnings.append(f"collateral_eval: word {wd!r} occurs {n} times (< {th.collateral_min_per_word})")
+    return warnings
+
+
 def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
                progress: Callable[[str], None] | None = None, base_stats=None) -> SetsReport:
     """Mine, score, guard and split every document of an experiment. See the module docstring.
     base_stats(dump, k) -> HeadStats (>= k top-k columns): the base head pass of a document; default one exact
     pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once."""
     from l47.tail.forward import score_dump
-    from l47.dumps.select import phrases_to_tuples, split_documents
+    from l47.dumps.select import phrases_to_tuples
     from l47.model.vocab import resolve_vocab
     from l47.model.weights import TailWeights, load_tail_weights
 
@@ -367,78 +454,9 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
             seen[d.sha] = d
         docs.append(d)
 
-    # --- seeded split of the pool, by document (key: hash of the token ids, so file names and metadata such as
-    #     the input path do not matter)
-    split_info = None
-    thr = th.non_event_p
-    if exp.split is not None:
-        pool = [d for d in docs if d.set == POOL and not d.report.refused]
-        counts = {}
-        for d in pool:
-            c: dict[str, int] = {}
-            for e, q in d.events:
-                if q >= thr:
-                    c[e.phrase] = c.get(e.phrase, 0) + 1
-            counts[d.content_key] = c
-        res = split_documents(counts, exp.split.seed, exp.split.fractions, th.heldout_frac,
-                              th.min_heldout_per_phrase)
-        for d in pool:
-            d.set = res.assignment[d.content_key]
-            d.report = replace(d.report, set=d.set)
-        split_info = {"seed": exp.split.seed, "fractions": dict(exp.split.fractions),
-                      "assignment": {str(d.path): d.set for d in pool}, "heldout_frac": res.heldout_frac}
-
-    # --- records (accepted documents only)
-    ev, nev, col = [], [], []
-    for d in docs:
-        if d.report.refused:
-            continue
-        for e, q in d.events:
-            rec = EventRecord(d.set, str(d.path), d.sha, e.pos, e.phrase, tuple(e.tuple), e.final, q,
-                              names.ROLES[e.role], e.in_context_copy, e.role in d.generated_roles)
-            (ev if q >= thr else nev).append(rec)
-        for c, q in d.collateral:
-            col.append(CollateralRecord(d.set, str(d.path), d.sha, c.pos, c.word, c.token_id, q, names.ROLES[c.role]))
-
-    # --- warnings
-    for i in issues:
-        if i.reason.startswith("no multi-token variant"):
-            warnings.append(f"phrase {i.phrase!r}: no multi-token variant, so it can have no events")
-    refused = [d for d in docs if d.report.refused]
-    if refused:
-        warnings.append(f"{len(refused)} document(s) refused (see the refused table)")
-    accepted: dict[str, int] = {}
-    for d in docs:
-        if not d.report.refused:
-            accepted[d.set] = accepted.get(d.set, 0) + 1
-    n_ev = {}
-    for r in ev:
-        n_ev[r.set] = n_ev.get(r.set, 0) + 1
-    for s in EVENT_SETS:
-        listed = s in exp.sets or (exp.split is not None and s in SPLIT_SETS)
-        if listed and accepted.get(s, 0) == 0:
-            warnings.append(f"set {s!r}: no accepted documents")
-        elif listed and n_ev.get(s, 0) == 0:
-            warnings.append(f"set {s!r}: zero events in {accepted[s]} document(s)")
-    split_total = sum(n_ev.get(s, 0) for s in SPLIT_SETS)
-    if split_total:
-        frac = n_ev.get("heldout", 0) / split_total
-        if frac < th.heldout_frac:
-            warnings.append(f"only {frac:.1%} of events held out (< {th.heldout_frac:.0%}, by document)")
-        per = {pt.phrase: 0 for pt in phrases if pt.tuples}
-        for r in ev:
-            if r.set == "heldout":
-                per[r.phrase] = per.get(r.phrase, 0) + 1
-        for ph, n in per.items():
-            if n < th.min_heldout_per_phrase:
-                warnings.append(f"phrase {ph!r}: {n} held-out events (< {th.min_heldout_per_phrase})")
-    ceval = [c for c in col if c.set == "collateral_eval"]
-    if len(ceval) < th.collateral_min_total:
-        warnings.append(f"collateral_eval: {len(ceval)} collateral occurrences (< {th.collateral_min_total})")
-    for wd in words:
-        n = sum(1 for c in ceval if c.word == wd)
-        if n < th.collateral_min_per_word:
-            warnings.append(f"collateral_eval: word {wd!r} occurs {n} times (< {th.collateral_min_per_word})")
+    split_info = _split_pool(docs, exp, th)
+    ev, nev, col = _records(docs, th.non_event_p)
+    warnings += _warnings(exp, th, issues, docs, ev, col, phrases, words)
 
     return SetsReport(
         schema=SCHEMA, experiment=str(exp.path), name=exp.name, model=w.path, model_sha256=w.model_sha256,
