@@ -292,7 +292,15 @@ class Dump:
 
     @cached_property
     def sha256(self) -> str:
-        """sha256 of the file bytes when read from a file; otherwise of the bytes write_dump would write."""
+        """The document's identity: sha256 of its token ids (`content_hash`), independent of the file name, the
+        metadata (doc_id, paths) and the engine that dumped it. Identity, disjointness, the split, the ledger
+        and the blind rule use this; the file's own bytes hash (`file_sha256`) is provenance only."""
+        return content_hash(self.tokens)
+
+    @cached_property
+    def file_sha256(self) -> str:
+        """sha256 of the file bytes when read from a file; otherwise of the bytes write_dump would write
+        (provenance only: a re-saved copy of a document has another file hash and the same `sha256`)."""
         if self.path is not None:
             return doc_hash(self.path)
         h = hashlib.sha256()
@@ -574,8 +582,17 @@ def read_dump(path: str | os.PathLike, mmap: bool = True, validate: bool = True)
     return Dump(path=path, meta=meta, **known)
 
 
+def content_hash(tokens) -> str:
+    """A document's identity: sha256 of its token ids as little-endian int32 ([T+1] ids, in order). Two dumps
+    of the same text under the same vocabulary have the same content hash whatever their file names, doc_id,
+    metadata or engine; the model (vocabulary) identity is kept beside it (dump meta.model, the ledger's
+    base_sha256), never mixed in."""
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(tokens), dtype="<i4").tobytes()).hexdigest()
+
+
 def doc_hash(path: str | os.PathLike) -> str:
-    """sha256 of the file bytes, streamed in 8 MB blocks."""
+    """sha256 of the file bytes, streamed in 8 MB blocks (provenance only; a document's identity is
+    `content_hash` of its tokens)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 23), b""):

@@ -175,6 +175,119 @@ def find_events(tokens, phrases: Sequence[PhraseTuples], role=None) -> list[Even
     return out
 
 
+def prefix_rows(tokens, phrases: Sequence[PhraseTuples]) -> np.ndarray:
+    """Rows whose preceding tokens equal a banned tuple's prefix, WHATEVER the target: row t is marked iff
+    tokens[t+1-(L-1) : t+1] == u[:-1] for some tuple u of length L. [T] bool.
+
+    These are the positions where moving probability off the banned final token is the intended effect of an
+    edit, so a distribution change there is not collateral: bar (e) reports them apart (their KLD is listed,
+    not judged) and the solver treats them as the edit's own rows, never as protected background. The events of
+    `find_events` are the subset whose target IS the final token. One definition, used by l47.evals and
+    l47.solvers alike."""
+    tokens = np.asarray(tokens, dtype=np.int64)  # [T+1]
+    T = max(tokens.shape[0] - 1, 0)
+    rows = np.zeros(T, dtype=bool)  # [T]
+    for pt in phrases:
+        for tup in pt.tuples:
+            ends = occurrences(tokens[:-1], tup[:-1])  # prefix ends at index t ≤ T−1 → row t predicts next
+            rows[ends] = True
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# document identity by content: near-duplicate windows
+
+DEFAULT_WINDOW = 64  # content tokens a scored document may share with a training document (DESIGN §4)
+_P = np.uint64(1099511628211)  # FNV-style odd multiplier for the rolling window hash (collisions re-checked)
+
+
+def content_ids(tokens, role, exclude: Iterable[tuple[int, ...]] = ()) -> np.ndarray:
+    """The document's content token ids for near-duplicate checks: the targets tokens[1:] whose role is not
+    `template` (chat markup and special tokens are the same in every chat), with any system-role span listed in
+    `exclude` (a system prompt common to several documents) left out. [C] int64."""
+    tokens = np.asarray(tokens, dtype=np.int64)  # [T+1]
+    role = np.asarray(role)  # [T]
+    targets = tokens[1:]  # [T]
+    keep = role != TEMPLATE  # [T]
+    excl = set(tuple(int(i) for i in e) for e in exclude)
+    if excl:
+        for a, b in _runs(role == names.ROLE_ID["system"]):
+            if tuple(int(i) for i in targets[a:b]) in excl:
+                keep[a:b] = False
+    return targets[keep]
+
+
+def system_spans(tokens, role) -> list[tuple[int, ...]]:
+    """The system-role spans of a document (runs of targets whose role is `system`), as id tuples."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    role = np.asarray(role)
+    return [tuple(int(i) for i in tokens[1:][a:b]) for a, b in _runs(role == names.ROLE_ID["system"])]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of every run of True in a [T] bool mask."""
+    m = np.concatenate([[False], np.asarray(mask, dtype=bool), [False]])
+    d = np.flatnonzero(m[1:] != m[:-1])
+    return list(zip(d[0::2].tolist(), d[1::2].tolist()))
+
+
+def window_hashes(ids, n: int) -> np.ndarray:
+    """Polynomial hash (mod 2^64) of every window of n consecutive ids. [C−n+1] uint64 (empty when C < n)."""
+    ids = np.asarray(ids, dtype=np.int64).astype(np.uint64)  # [C]
+    if n <= 0 or ids.shape[0] < n:
+        return np.zeros(0, dtype=np.uint64)
+    pw = np.ones(n, dtype=np.uint64)  # [n] P^(n-1-j)
+    with np.errstate(over="ignore"):
+        for j in range(n - 2, -1, -1):
+            pw[j] = pw[j + 1] * _P
+        win = sliding_window_view(ids, n)  # [C-n+1, n]
+        return (win * pw).sum(axis=1, dtype=np.uint64)
+
+
+@dataclass(frozen=True)
+class WindowHit:
+    key: str  # the indexed (training) document
+    start: int  # index in the queried document's content ids
+    start_indexed: int  # index in the indexed document's content ids
+    n: int
+
+
+class WindowIndex:
+    """Every n-token content window of a set of documents (the training side), queried with another
+    document: the first window both share, verified token by token (hash collisions never count)."""
+
+    def __init__(self, n: int = DEFAULT_WINDOW):
+        self.n = int(n)
+        self._by_hash: dict[int, list[tuple[str, int]]] = {}
+        self._ids: dict[str, np.ndarray] = {}
+
+    def add(self, key: str, ids) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        self._ids[key] = ids
+        for i, h in enumerate(window_hashes(ids, self.n).tolist()):
+            self._by_hash.setdefault(h, []).append((key, i))
+
+    def keys_sharing(self, ids, skip: str | None = None) -> set[str]:
+        """Every indexed document (other than `skip`) that shares at least one n-window with `ids`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        out: set[str] = set()
+        for i, h in enumerate(window_hashes(ids, self.n).tolist()):
+            for key, j in self._by_hash.get(h, ()):
+                if key != skip and key not in out and np.array_equal(ids[i:i + self.n],
+                                                                     self._ids[key][j:j + self.n]):
+                    out.add(key)
+        return out
+
+    def first_hit(self, ids, skip: str | None = None) -> WindowHit | None:
+        """The first window of `ids` that an indexed document (other than `skip`) also holds, or None."""
+        ids = np.asarray(ids, dtype=np.int64)
+        for i, h in enumerate(window_hashes(ids, self.n).tolist()):
+            for key, j in self._by_hash.get(h, ()):
+                if key != skip and np.array_equal(ids[i:i + self.n], self._ids[key][j:j + self.n]):
+                    return WindowHit(key, i, j, self.n)
+        return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # collateral
 
@@ -586,7 +699,9 @@ def guard_document(text: str, *, logp_target=None, top_logp=None, role=None, pro
 
 __all__ = [
     "SPLITS", "PhraseIssue", "PhraseTuples", "surface_variants", "phrase_tuples", "phrases_to_tuples", "Event",
-    "occurrences", "find_events", "Collateral", "find_collateral", "ChatStructure", "chat_structure",
-    "SplitResult", "phrase_split_counts", "split_documents", "ngram_repeat_rate", "dup_line_rate", "SamplerCheck", "sampler_violations",
+    "occurrences", "find_events", "prefix_rows", "DEFAULT_WINDOW", "content_ids", "system_spans",
+    "window_hashes", "WindowHit", "WindowIndex", "Collateral", "find_collateral", "ChatStructure", "chat_structure",
+    "SplitResult", "phrase_split_counts", "split_documents", "ngram_repeat_rate", "dup_line_rate", "SamplerCheck",
+    "sampler_violations",
     "GuardResult", "provenance_reasons", "guard_document",
 ]

@@ -67,13 +67,14 @@ class AuditArgs:
     out_dir: Path
     blind: Path | None = None  # the blind document (dump) for the sign-off
     dev_report: Path | None = None  # report.json of the dev audit of the same bundle
-    ledger: Path | None = None  # default: out_dir/ledger.jsonl
+    ledger: Path | None = None  # default: the base model's ledger (l47.data.ledger.default_ledger_path)
     policy: str = "strata"
     device: str = "cpu"
     record: Path | None = None  # default: <bundle>.solve.json
     engine_dumps: tuple[Path, ...] = ()  # dumps made by the engine running the transplanted bundle
     penalty_bias: float = DEFAULT_BIAS
     plots: bool = True
+    allow_unverified: bool = False  # dumps without engine logits: n/a for the zero-proxy bar, report "unverified"
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,13 @@ def _file_sha(path: Path) -> str:
     from l47.dumps import doc_hash
 
     return doc_hash(path)
+
+
+def _content_hashes(paths) -> dict[str, str]:
+    """path -> the document's identity (sha256 of its token ids), for dumps."""
+    from l47.data.ledger import dump_content_hashes
+
+    return dump_content_hashes(paths)
 
 
 def _check_out_dir(out: Path) -> None:
@@ -282,16 +290,22 @@ def record_figures(ctx: "AuditContext", scored_shas: dict[str, str], solver_shas
     """Bars (a), (b) and (c)'s disjointness against the solve record: every slop position prefix-exact and an
     event, the training documents natural, no record document among the scored ones."""
     from l47.data.record import TERM_BACKGROUND, TERM_SLOP
+    from l47.data.sets import is_scored_set
 
     record, record_path, by_sha, pts, vocab = ctx.record, ctx.record_path, ctx.by_sha, ctx.pts, ctx.vocab
-    thr = ctx.th.non_event_p
+    thr, overlaps = ctx.th.non_event_p, ctx.sets_rep.overlaps
     doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
                 for dr in ctx.sets_rep.docs}
     overlap = []
-    # documents the solver's sets hold that are also scored (a copy under another path)
-    for sha, s in solver_shas.items():
-        if sha in scored_shas:
-            overlap.append({"doc_sha256": sha, "scored_set": scored_shas[sha], "in": f"experiment set {s}"})
+    # the experiment's own copies and near-duplicates (by content; l47.data.sets): a training document and a
+    # scored one that are one document
+    for o in overlaps:
+        sides = {o.set, o.with_set}
+        if any(is_scored_set(x) for x in sides) and sides - {x for x in sides if is_scored_set(x)}:
+            overlap.append({"doc_sha256": o.doc_sha256, "scored_set": o.set if is_scored_set(o.set) else o.with_set,
+                            "in": f"experiment set {o.with_set if is_scored_set(o.set) else o.set} ({o.kind}"
+                                  + (f", {o.window} content tokens shared" if o.kind == "window" else "") + ")",
+                            "path": o.path, "with_path": o.with_path})
     if record is None:
         return {"present": False, "why": f"no solve record at {record_path}", "overlap": overlap or None}
     slop = [t for t in record.touched if t.term == TERM_SLOP]
@@ -564,11 +578,16 @@ def _read_dev_report(path: Path) -> dict:
     return rep
 
 
-def _blind_prechecks(args, bsha: str, record, exp, ledgers: list[Path], special_ids) -> tuple[dict, str]:
-    """Everything that must hold before the blind document is scored. Returns (dev report, blind doc sha)."""
+def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_sha256: str,
+                     window: int) -> tuple[dict, str]:
+    """Everything that must hold before the blind document is scored. Returns (dev report, blind doc sha).
+    By content (the sha256 of its tokens): in no ledger (any command, any event), no document of the dev report,
+    no input or touched document of the solve record, no document of the experiment, and no `window` content
+    tokens shared with any of the experiment's documents. The model's own generation (assistant turns
+    `generated` by this model, sampler recorded) from a prompt held back from every set; a chat with turns, a
+    <think> block and real turn ends."""
     from l47.dumps import read_dump
-    from l47.dumps.select import chat_structure
-    from l47.data.ledger import read_ledger
+    from l47.dumps.select import WindowIndex, chat_structure, content_ids, occurrences, provenance_reasons
 
     if args.dev_report is None:
         raise L47Error("audit", "--dev", "the dev report (report.json) of the same bundle with --blind", "none")
@@ -579,37 +598,132 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers: list[Path], special_
                        f"{bsha} (the bundle changed: the blind sign-off needs the untouched dev-audited bundle)")
     if not Path(args.blind).is_file():
         raise L47Error(args.blind, "blind document", "an existing dump file", "missing")
-    doc = _file_sha(args.blind)
+    d = read_dump(args.blind)
+    doc = d.sha256  # the document's identity: its tokens
     seen = []
     for lp in ledgers:
-        for e in read_ledger(lp):
-            if e.doc_sha256 == doc:
-                seen.append(f"ledger {lp}: scored by `{e.command}` against {e.bundle_sha256[:12]}…")
-    for d in dev.get("inputs", {}).get("documents", []):
-        if d.get("sha256") == doc:
-            seen.append(f"dev report: scored in set {d.get('set')!r}")
+        for e in lp.scored(doc):
+            seen.append(f"ledger {lp.path}: {e.event} by `{e.command}` against {e.bundle_sha256[:12]}…")
+    for x in dev.get("inputs", {}).get("documents", []):
+        if x.get("sha256") == doc:
+            seen.append(f"dev report: scored in set {x.get('set')!r}")
     if record is not None:
         used = {i.sha256 for i in record.inputs if i.set != "blind"} | {t.doc_sha256 for t in record.touched}
         if doc in used:
             seen.append("solve record: an input of the solver")
-    for s, p in exp.documents():
-        if s != "blind" and p.is_file() and _file_sha(p) == doc:
-            seen.append(f"experiment: listed in set {s!r}")
+    others = [(s, p) for s, p in exp.documents() if s != "blind" and p.is_file()]
+    index = WindowIndex(window)
+    sets_of = {}
+    for s, p in others:
+        try:
+            o = read_dump(p, validate=False)
+        except L47Error:
+            continue
+        if o.sha256 == doc:
+            seen.append(f"experiment: the same tokens as {p} (set {s!r})")
+        sets_of[str(p)] = s
+        index.add(str(p), content_ids(o.tokens, o.role))
+    hit = index.first_hit(content_ids(d.tokens, d.role)) if window > 0 else None
+    if hit is not None:
+        seen.append(f"experiment: shares {window} consecutive content tokens with {hit.key} (set "
+                    f"{sets_of[hit.key]!r}): a near-copy")
     if seen:
-        raise L47Error(args.blind, "blind document", "a document never scored before (blind: scored once)",
-                       "; ".join(seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else ""))
-    d = read_dump(args.blind)
+        raise L47Error(args.blind, "blind document", "a document never scored before (blind: scored once, by "
+                       "content)", "; ".join(seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else ""))
     cs = chat_structure(d.tokens, d.role, special_ids)
     lacks = [n for n, v in (("turns", cs.n_turns), ("a <think> block", cs.n_think),
                             ("terminal positions", cs.n_terminal)) if not v]
     if lacks:
         raise L47Error(args.blind, "blind document", "a chat with turns, a <think> block and real turn ends",
                        "no " + ", no ".join(lacks))
+    prov = dict(d.meta.provenance or {})
+    gen_bad = [r for r in ("assistant", "think") if r in prov and prov[r] != "generated"]
+    if "assistant" not in prov or gen_bad:
+        raise L47Error(args.blind, "provenance", "assistant (and think) turns generated by this model from a "
+                       "held-back prompt", f"{ {r: prov.get(r) for r in ('assistant', 'think')} }")
+    why = provenance_reasons(prov, [r for r, v in prov.items() if v == "generated"], model_sha256, d.meta.model)
+    if why:
+        raise L47Error(args.blind, "provenance", "the model's own generation (this model, sampler recorded)",
+                       "; ".join(why))
+    # the prompt is held back: no user turn of the blind chat (≥ 8 tokens) occurs in any experiment document
+    user = np.asarray(d.role) == names.ROLE_ID["user"]
+    m = np.concatenate([[False], user, [False]])
+    edges = np.flatnonzero(m[1:] != m[:-1])
+    spans = [tuple(int(i) for i in np.asarray(d.tokens)[1:][a:b]) for a, b in zip(edges[0::2], edges[1::2])
+             if b - a >= 8]
+    for s, p in others:
+        o = read_dump(p, validate=False)
+        for sp in spans:
+            if occurrences(np.asarray(o.tokens), sp).size:
+                raise L47Error(args.blind, "prompt", "a prompt held back from every set",
+                               f"its user turn occurs in {p} (set {s!r})")
     return dev, doc
 
 
 # ----------------------------------------------------------------------------------------------------------
 # evidence for the bars: the dev audit and the blind sign-off
+
+
+def protected_positions(record) -> frozenset:
+    """(doc sha256, row) of every position the solve record's objective touched: in-sample for the solver, so
+    bar (f) reports the turn ends among them apart from the ones it judges."""
+    if record is None:
+        return frozenset()
+    return frozenset((t.doc_sha256, int(t.pos)) for t in record.touched)
+
+
+def kld_figures(docs: list[DocResult], pts) -> dict:
+    """Per set: KL(base ‖ bundle) statistics over the positions that are NOT prefix rows (the judged figure of
+    bar (e)), with the prefix rows (l47.dumps.select.prefix_rows: moving mass off the banned word there is the
+    intended effect) and all rows reported beside it."""
+    from l47.dumps.select import prefix_rows
+    from l47.evals.kld_stats import kld_stats_of_pairs
+
+    out = {}
+    for s in dict.fromkeys(d.set for d in docs):
+        ds = [d for d in docs if d.set == s]
+        pre = {d.sha256: prefix_rows(d.tokens, pts) for d in ds}  # [T] bool each
+        judged = kld_stats_of_pairs([(d.ps, ~pre[d.sha256]) for d in ds if (~pre[d.sha256]).any()])
+        at_pre = kld_stats_of_pairs([(d.ps, pre[d.sha256]) for d in ds if pre[d.sha256].any()])
+        allr = kld_stats_of_pairs([d.ps for d in ds])
+        if judged is None:
+            out[s] = None
+            continue
+        out[s] = {**judged.to_dict(), "prefix_rows": at_pre.to_dict() if at_pre else {"n": 0},
+                  "all_rows": allr.to_dict() if allr else None}
+    return out
+
+
+def _write_blind_stub(out: Path, args, bsha: str, blind_sha: str, ledgers) -> None:
+    """report.json / report.md saying the blind sign-off started and the document is burned; the finished
+    report replaces both. A run killed in between leaves this stub: the document may not be used again."""
+    from l47.fileio import write_text_atomic
+
+    when = __import__("time").strftime("%Y-%m-%d %H:%M:%S %Z")
+    note = (f"blind sign-off STARTED {when} and did not finish: the blind document {blind_sha} is in the ledger "
+            f"({', '.join(str(p) for p in ledgers)}) and may never be scored again; no verdict exists. Sign off "
+            "on a fresh document.")
+    stub = {"schema": AUDIT_SCHEMA, "mode": B.MODE_BLIND, "status": "started", "passed": False, "exit_code": 1,
+            "stamps": ["blind document burned, no verdict"],
+            "inputs": {"bundle": {"path": str(args.bundle), "sha256": bsha},
+                       "blind": {"path": str(args.blind), "sha256": blind_sha},
+                       "ledger": [str(p) for p in ledgers]}, "notes": [note]}
+    write_text_atomic(out / "report.json", json.dumps(stub, indent=1))
+    write_text_atomic(out / "report.md", f"# l47 audit (blind): NOT FINISHED\n\n{note}\n")
+
+
+def count_figures(sets_rep) -> dict:
+    """The minimum-count bars' figures: held-out events per phrase (every phrase with a multi-token variant,
+    zero included), collateral_eval occurrences per collateral word (zero included) and in all."""
+    ho = {p["phrase"]: 0 for p in sets_rep.phrases if p["tuples"]}
+    for e in sets_rep.events:
+        if e.set == "heldout":
+            ho[e.phrase] = ho.get(e.phrase, 0) + 1
+    cw = {w: 0 for w in sets_rep.collateral_words}
+    for c in sets_rep.collateral:
+        if c.set == "collateral_eval":
+            cw[c.word] = cw.get(c.word, 0) + 1
+    return {"heldout_per_phrase": ho, "collateral_per_word": cw, "collateral_total": sum(cw.values())}
 
 
 @dataclass
@@ -625,17 +739,14 @@ class SharedFigures:
 
 
 def shared_figures(ctx: AuditContext) -> SharedFigures:
-    from l47.evals.kld_stats import kld_stats_of_pairs
-
     accepted, th = ctx.accepted, ctx.th
-    kld = {}
-    for s in dict.fromkeys(d.set for d in accepted):
-        st = kld_stats_of_pairs([d.ps for d in accepted if d.set == s])
-        kld[s] = st.to_dict() if st else None
     pen_fig, sims = _penalty_figures(ctx.spec, accepted, ctx.vocab)
-    return SharedFigures(kld=kld, proxy=proxy_figures(accepted, ctx.w.V, th.ce_proxy_frac, th.zero_proxy_tol),
+    proxy = {**proxy_figures(accepted, ctx.w.V, th.ce_proxy_frac, th.zero_proxy_tol),
+             "allow_unverified": ctx.args.allow_unverified}
+    return SharedFigures(kld=kld_figures(accepted, ctx.pts), proxy=proxy,
                          flips=flip_figures(accepted, ctx.vocab, ctx.special_ids),
-                         turn_ends=turn_end_figures(accepted, ctx.special_ids), penalty=pen_fig, sims=sims)
+                         turn_ends=turn_end_figures(accepted, ctx.special_ids, protected_positions(ctx.record)),
+                         penalty=pen_fig, sims=sims)
 
 
 def _disjointness_shas(ctx: AuditContext) -> tuple[dict[str, str], dict[str, str]]:
@@ -646,8 +757,8 @@ def _disjointness_shas(ctx: AuditContext) -> tuple[dict[str, str], dict[str, str
             scored.setdefault(dr.sha256, dr.set)
         elif dr.set in SOLVER_SETS:
             solver.setdefault(dr.sha256, dr.set)
-    for p in ctx.exp.sets.get("blind", ()):
-        scored.setdefault(_file_sha(p), "blind")
+    for sha in _content_hashes(ctx.exp.sets.get("blind", ())).values():
+        scored.setdefault(sha, "blind")
     return scored, solver
 
 
@@ -666,10 +777,12 @@ def dev_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict
     engine = _engine_figures(ctx.args, ctx.w, by_sha, ctx.doc_paths)
     special = special_mass_figures(sets_rep.events, by_sha)
     ordinary = ordinary_figures([d for d in ctx.accepted if d.set == "chat_heldout"], special_ids)
+    counts = count_figures(sets_rep)
     ev = B.Evidence(thresholds=th, mode=B.MODE_DEV, bundle=ctx.bundle, record=rec, proxy=sh.proxy, split=split,
                     slop=slop, claims=claims, collateral=coll, kld=sh.kld, engine=engine, flips=sh.flips,
-                    turn_ends=sh.turn_ends, special_mass=special, ordinary=ordinary)
+                    turn_ends=sh.turn_ends, special_mass=special, ordinary=ordinary, counts=counts)
     figures = {"bundle": ctx.bundle, "proxy": sh.proxy, "record": rec, "split": split, "claims": claims,
+               "counts": counts, "overlaps": [dict(o.__dict__) for o in sets_rep.overlaps],
                "slop": {"heldout": slop, "per_set": _slop_per_set(sets_rep.events, by_sha, vocab, special_ids,
                                                                   sh.sims)},
                "non_events": [{"set": e.set, "doc": e.doc, "pos": e.pos, "phrase": e.phrase, "p_base": e.p_base}
@@ -698,7 +811,7 @@ def blind_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, di
     dev_ho = dev_rep["slop"]["heldout"]
     dev_after = dev_ho.get("p_after")
     blind = {"bundle_sha256": ctx.bsha, "dev_bundle_sha256": dev_rep["inputs"]["bundle"]["sha256"],
-             "doc_sha256": ctx.blind_sha, "never_scored": True, "ledgers": [str(p) for p in ctx.ledgers],
+             "doc_sha256": ctx.blind_sha, "never_scored": True, "ledgers": [str(lp.path) for lp in ctx.ledgers],
              "slop": slop, "flips": sh.flips, "turn_ends": sh.turn_ends,
              "special_mass": special_mass_figures(evs, ctx.by_sha), "ordinary": ordinary,
              "dev_residual_ratio": dev_ho["residual_ratio"],
@@ -721,7 +834,8 @@ class AuditContext:
     args: AuditArgs
     mode: str
     exp: object  # l47.data.experiment.Experiment
-    ledgers: list[Path]  # this audit's ledger first; with --blind also the dev report's
+    ledgers: list  # l47.data.ledger.Ledger: the base model's (or --ledger) first; with --blind also the dev
+    # report's when it named another file
     w: object  # TailWeights (base)
     W_new: object  # [n, f] torch f32: the bundle's W_sd
     bsha: str  # bundle sha256
@@ -762,22 +876,21 @@ class AuditContext:
         return [d for d in self.docs if not d.refused]
 
 
-def _ledgers(args: AuditArgs, out: Path) -> list[Path]:
-    """This audit's ledger, and with --blind the dev report's too (a blind document scored once is refused
-    everywhere after); each read now, so a corrupt ledger is refused before any scoring."""
-    from l47.data.ledger import LEDGER_NAME, read_ledger
+def _ledgers(args: AuditArgs, base_sha256: str) -> list:
+    """The base model's ledger (or the one --ledger names), and with --blind the dev report's too when it named
+    another file (a blind document scored once is refused everywhere after); each validated now, so a corrupt
+    ledger or another model's is refused before any scoring."""
+    from l47.data.ledger import Ledger
 
-    ledger = Path(args.ledger) if args.ledger is not None else out / LEDGER_NAME
-    read_ledger(ledger)
+    ledger = Ledger.open(args.ledger, base_sha256)
     ledgers = [ledger]
     if args.blind is not None and args.dev_report is not None and Path(args.dev_report).is_file():
         try:
             dl = json.loads(Path(args.dev_report).read_text()).get("inputs", {}).get("ledger")
         except ValueError:
             dl = None
-        if dl and Path(dl).resolve() != ledger.resolve():
-            read_ledger(Path(dl))
-            ledgers.append(Path(dl))
+        if isinstance(dl, str) and Path(dl).exists() and Path(dl).resolve() != ledger.path.resolve():
+            ledgers.append(Ledger.open(dl, base_sha256))
     return ledgers
 
 
@@ -793,8 +906,8 @@ def load_context(args: AuditArgs) -> AuditContext:
 
     _check_out_dir(Path(args.out_dir))
     exp = load_experiment(args.experiment)
-    ledgers = _ledgers(args, Path(args.out_dir))
     base_g, bundle_g = open_gguf(args.base), open_gguf(args.bundle)
+    ledgers = _ledgers(args, base_g.sha256())
     rpath = Path(args.record) if args.record is not None else record_path_for(args.bundle)
     record = read_record(rpath) if rpath.is_file() else None
     w = load_tail_weights(base_g, policy=args.policy, device=args.device)
@@ -809,7 +922,8 @@ def load_context(args: AuditArgs) -> AuditContext:
     if exp.policy != args.policy:
         ctx.notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
     if ctx.mode == B.MODE_BLIND:
-        ctx.dev_rep, ctx.blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids)
+        ctx.dev_rep, ctx.blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids,
+                                                      w.model_sha256, exp.thresholds.overlap_window)
     return ctx
 
 
@@ -820,7 +934,18 @@ def score_documents(ctx: AuditContext) -> None:
     from l47.dumps import read_dump
     from l47.model.weights import check_dump_dims
 
+    from l47.data.ledger import EV_BLIND_STARTED
+
     sc = Scoring(ctx.w, ctx.W_new, ctx.pts, ctx.special_ids, ctx.finals)
+    # the ledger first: every document about to be scored (by content), against this bundle. The blind
+    # document is burned from here on, and a report stub says so until the verdict replaces it
+    exp_nb = replace(ctx.exp, sets={k: v for k, v in ctx.exp.sets.items() if k != "blind"})
+    if ctx.mode == B.MODE_BLIND:
+        _write_blind_stub(Path(ctx.args.out_dir), ctx.args, ctx.bsha, ctx.blind_sha, [lp.path for lp in ctx.ledgers])
+        for lp in ctx.ledgers:
+            lp.append([ctx.blind_sha], ctx.bsha, "audit", EV_BLIND_STARTED, note=str(ctx.args.out_dir))
+    else:
+        ctx.ledgers[0].append(_content_hashes(p for _, p in exp_nb.documents()).values(), ctx.bsha, "audit")
     if ctx.mode == B.MODE_BLIND:
         d = read_dump(ctx.args.blind)
         check_dump_dims(ctx.w, d.meta, str(ctx.args.blind))
@@ -834,7 +959,6 @@ def score_documents(ctx: AuditContext) -> None:
         passes[str(dump.path)] = (dump, ps)
         return top_k_of(ps.base, k)
 
-    exp_nb = replace(ctx.exp, sets={k: v for k, v in ctx.exp.sets.items() if k != "blind"})
     ctx.sets_rep = build_sets(exp_nb, ctx.w, vocab=ctx.vocab, device=ctx.args.device, base_stats=base_stats)
     w = ctx.w
     for dr in ctx.sets_rep.docs:
@@ -858,12 +982,10 @@ def score_documents(ctx: AuditContext) -> None:
 def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: list) -> AuditReport:
     """Append every scored document to the ledger(s) (the blind one is burned from here on), then write
     report.json / report.md / positions.tsv / plots (staged, then moved in)."""
-    from l47.data.ledger import append_ledger
+    from l47.data.ledger import EV_BLIND_VERDICT
     from l47.evals.report import write_reports
 
     args, passed = ctx.args, all(b.passed for b in bar_list)
-    for lp in ctx.ledgers:
-        append_ledger(lp, [(d.sha256, ctx.bsha) for d in ctx.docs], "audit")
     blind = ctx.mode == B.MODE_BLIND
     inputs = {
         "bundle": {"path": str(args.bundle), "sha256": ctx.bsha},
@@ -875,16 +997,20 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
         "engine_dumps": [{"path": str(p), "sha256": _file_sha(p)} for p in args.engine_dumps],
         "documents": [{"path": d.path, "sha256": d.sha256, "set": d.set, "doc_id": d.doc_id, "T": d.T,
                        "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in ctx.docs],
-        "ledger": str(ctx.ledgers[0]), "policy": args.policy, "device": args.device, "vocab": ctx.vocab.name,
+        "ledger": str(ctx.ledgers[0].path), "policy": args.policy, "device": args.device, "vocab": ctx.vocab.name,
     }
     report = clean({
         "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": ctx.mode, "passed": passed,
-        "exit_code": 0 if passed else 1, "inputs": inputs,
+        "exit_code": 0 if passed else 1, "stamps": B.stamps(ctx.th, sh.proxy), "inputs": inputs,
         "thresholds": {**ctx.th.to_dict(), "penalty_bias": args.penalty_bias},
         "bars": [b.to_dict() for b in bar_list], **figures, "notes": ctx.notes,
     })
     out = Path(args.out_dir)
     files = write_reports(out, report, ctx.docs, ctx.vocab, ctx.special_ids, sh.sims, plots=args.plots)
+    if blind:  # the verdict beside the "started" entry
+        for lp in ctx.ledgers:
+            lp.append([ctx.blind_sha], ctx.bsha, "audit", EV_BLIND_VERDICT,
+                      note=f"{'PASS' if passed else 'FAIL'} {files.get('report.json', out / 'report.json')}")
     return AuditReport(passed, 0 if passed else 1, ctx.mode, tuple(bar_list), str(out), files, ctx.bsha, report)
 
 

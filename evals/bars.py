@@ -75,6 +75,7 @@ class Evidence:
     special_mass: dict = field(default_factory=dict)
     ordinary: dict = field(default_factory=dict)
     blind: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)  # held-out events per phrase, collateral_eval per word / in all
 
 
 @dataclass(frozen=True)
@@ -200,26 +201,39 @@ def _bundle_scope(ev: Evidence) -> Measure:
 
 
 @register("proxy.base_ce", family="not a proxy", direction=LE, threshold=None, mode=MODE_BOTH,
-          aggregation="token-pooled mean over the content targets of every scored document (the per-document "
-                      "values and their max are listed: a small model can be far off on a single OOD document "
-                      "without being a proxy; a proxy is near ln V everywhere, seed §3)",
+          aggregation="max over every scored document of its base CE over content targets (the worst document is "
+                      "named; the token-pooled mean is reported beside it)",
           threshold_from="thresholds.ce_proxy_frac · ln V",
-          definition="base CE of the exact tail forward on the natural documents; a proxy sits near ln V")
+          definition="base CE of the exact tail forward on EACH scored document: text the model finds unnatural "
+                     "(near ln V) is no evidence for bars (f), (g) or the slop bar, and a proxy sits near ln V")
 def _proxy_ce(ev: Evidence) -> Measure:
     p = ev.proxy
-    return Measure(p.get("ce_pooled"), {"ln_V": p.get("ln_V"), "ce_max": p.get("ce_max"), "tokens": p.get("tokens"),
-                                        "per_doc": {k: v["ce"] for k, v in p.get("docs", {}).items()}},
-                   threshold=p.get("limit"))
+    per = {k: v["ce"] for k, v in p.get("docs", {}).items()}
+    worst = max(per, key=per.get) if per else None
+    lim = p.get("limit")
+    over = sorted((k for k, v in per.items() if lim is not None and v > lim), key=lambda k: -per[k])
+    return Measure(per[worst] if worst else None,
+                   {"worst_doc": worst, "ce_pooled": p.get("ce_pooled"), "ln_V": p.get("ln_V"),
+                    "tokens": p.get("tokens"), "over_limit": over, "per_doc": per}, threshold=lim)
 
 
-@register("proxy.zero_proxy", family="not a proxy", direction=LE, threshold="zero_proxy_tol", optional=True,
-          mode=MODE_BOTH,
-          aggregation="max over positions of verified dumps",
+@register("proxy.zero_proxy", family="not a proxy", direction=LE, threshold="zero_proxy_tol", mode=MODE_BOTH,
+          aggregation="max over positions of every scored dump",
           definition="|log p(target) of the engine that made the dump − tail forward's| / max(1, |log p|): the "
-                     "forward is the real network (n/a when no dump carries ref_logp: every figure is unverified)")
+                     "forward is the real network. Required for every scored dump: a dump without the engine's own "
+                     "log p (ref_logp) fails this bar unless --allow-unverified, which stamps the report "
+                     "\"unverified\"")
 def _proxy_zero(ev: Evidence) -> Measure:
     p = ev.proxy
-    return Measure(p.get("zero_proxy_max"), {"unverified": p.get("unverified"), "per_doc": p.get("zero_proxy")})
+    unv = list(p.get("unverified") or [])
+    det = {"unverified": unv, "allow_unverified": bool(p.get("allow_unverified")), "per_doc": p.get("zero_proxy")}
+    if unv and not p.get("allow_unverified"):
+        det["why"] = (f"{len(unv)} scored dump(s) carry no engine log p, so the zero-proxy check cannot run "
+                      f"(first: {unv[0]}); re-dump with the engine, or pass --allow-unverified")
+        return Measure(None, det)
+    if p.get("zero_proxy_max") is None:  # allowed and nothing verified at all: stamped, not judged
+        return Measure(None, {**det, "why": "no scored dump is verified (--allow-unverified)"}, applicable=False)
+    return Measure(p.get("zero_proxy_max"), det)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -281,16 +295,37 @@ def _c_disjoint(ev: Evidence) -> Measure:
 
 
 @register("c.slop", family="(c)", direction=GE, threshold="slop_reduction",
-          aggregation="1 − mean p_after / mean p_before over held-out events (in-context copies included; "
-                      "fresh and copies reported apart)",
-          definition="held-out slop: mean p(rejected) reduction at prefix-exact events of held-out documents")
+          aggregation="min over phrases of 1 − mean p_after / mean p_before at the phrase's held-out events (the "
+                      "worst phrase is named; the pooled reduction over every event is reported beside it)",
+          definition="held-out slop: EACH phrase's mean p(rejected) at prefix-exact events of held-out documents is "
+                     "reduced by at least the bar (in-context copies included; fresh and copies reported apart)")
 def _c_slop(ev: Evidence) -> Measure:
     s = ev.slop
-    return Measure(s.get("reduction"), {"n": s.get("n"), "p_before": s.get("p_before"), "p_after": s.get("p_after"),
-                                        "fresh": s.get("fresh"), "copies": s.get("copies"),
-                                        "per_phrase": {k: {kk: v.get(kk) for kk in ("n", "p_before", "p_after",
-                                                                                      "reduction")}
-                                                       for k, v in s.get("per_phrase", {}).items()}})
+    per = {k: {kk: v.get(kk) for kk in ("n", "p_before", "p_after", "reduction")}
+           for k, v in s.get("per_phrase", {}).items()}
+    vals = {k: v["reduction"] for k, v in per.items()}
+    det = {"pooled": s.get("reduction"), "n": s.get("n"), "p_before": s.get("p_before"),
+           "p_after": s.get("p_after"), "fresh": s.get("fresh"), "copies": s.get("copies"), "per_phrase": per}
+    if not vals:
+        return Measure(None, {**det, "why": "no held-out slop event"})
+    if any(v is None for v in vals.values()):
+        bad = [k for k, v in vals.items() if v is None]
+        return Measure(None, {**det, "why": f"no reduction defined for {bad} (base p 0)"})
+    worst = min(vals, key=vals.get)
+    return Measure(vals[worst], {**det, "worst_phrase": worst,
+                                 "failing": sorted(k for k, v in vals.items()
+                                                   if v < ev.thresholds.slop_reduction)})
+
+
+@register("c.min_heldout_per_phrase", family="(c)", direction=GE, threshold="min_heldout_per_phrase",
+          aggregation="min over the experiment's phrases (a phrase with no held-out event counts 0)",
+          definition="held-out events per phrase: too few and the per-phrase slop figure is noise (seed §6.3)")
+def _c_min(ev: Evidence) -> Measure:
+    c = ev.counts.get("heldout_per_phrase")
+    if not c:
+        return Measure(None, {"why": "no phrase with a multi-token variant"})
+    worst = min(c, key=c.get)
+    return Measure(float(c[worst]), {"per_phrase": c, "worst_phrase": worst})
 
 
 @register("claims", family="record", direction=LE, threshold=None, aggregation="count of claims",
@@ -327,21 +362,48 @@ def _d_frac(ev: Evidence) -> Measure:
         k: v["frac_below"] for k, v in c.get("per_word", {}).items()}})
 
 
+@register("d.min_per_word", family="(d)", direction=GE, threshold="collateral_min_per_word",
+          aggregation="min over the collateral words (a word with no occurrence counts 0)",
+          definition="ordinary uses of each collateral word in collateral_eval: a word that is not measured is not "
+                     "protected (it would silently drop out of d.word_mean)")
+def _d_min_word(ev: Evidence) -> Measure:
+    c = ev.counts.get("collateral_per_word")
+    if not c:
+        return Measure(None, {"why": "no collateral word"})
+    worst = min(c, key=c.get)
+    return Measure(float(c[worst]), {"per_word": c, "worst_word": worst})
+
+
+@register("d.min_total", family="(d)", direction=GE, threshold="collateral_min_total",
+          aggregation="count over collateral_eval", definition="ordinary uses of the collateral words in all")
+def _d_min_total(ev: Evidence) -> Measure:
+    n = ev.counts.get("collateral_total")
+    return Measure(None if n is None else float(n), {})
+
+
 # ----------------------------------------------------------------------------------------------------------
 # (e) KLD domains
 
 
-@register("e.kld", family="(e)", direction=LE, threshold="kld_max", aggregation="mean over the domain's positions",
+@register("e.kld", family="(e)", direction=LE, threshold="kld_max",
+          aggregation="mean over the domain's positions that are not prefix-exact (prefix-exact positions — where "
+                      "moving mass off the banned word is the intended effect, l47.dumps.select.prefix_rows — are "
+                      "reported apart)",
           definition="KL(base ‖ bundle) from the exact tail forward, per kld.<domain> (float-order floor ~0 for a "
                      "layer-L-only edit)")
 def _e_kld(ev: Evidence) -> dict[str, Measure] | Measure:
     doms = {k: v for k, v in ev.kld.items() if k.startswith("kld.")}
     if not doms:
         return Measure(None, {"why": "no kld.<domain> set in the experiment"})
-    return {k[4:]: Measure(v["kld_mean"] if v else None, {"n": v["n"] if v else 0,
-                                                          "kld_99": v["kld_pct"]["99.0"] if v else None,
-                                                          "same_top": v["same_top"] if v else None})
-            for k, v in doms.items()}
+    out = {}
+    for k, v in doms.items():
+        pre = (v or {}).get("prefix_rows") or {}
+        out[k[4:]] = Measure(v["kld_mean"] if v else None, {
+            "n": v["n"] if v else 0, "kld_99": v["kld_pct"]["99.0"] if v else None,
+            "same_top": v["same_top"] if v else None, "prefix_rows_n": pre.get("n", 0),
+            "prefix_rows_kld_mean": pre.get("kld_mean"),
+            "all_rows_kld_mean": ((v or {}).get("all_rows") or {}).get("kld_mean")})
+    return out
 
 
 @register("e.engine_kld", family="(e)", direction=LE, threshold="kld_max", optional=True,
@@ -388,21 +450,24 @@ def _f_mass(ev: Evidence) -> Measure:
 
 
 @register("f.turn_end_argmax", family="(f)", direction=LE, threshold=None,
-          aggregation="count over real turn ends", definition="real turn ends where <|im_end|> was the base argmax "
-          "and no longer is")
+          aggregation="count over real turn ends the solver did not protect (protected ones — the record's anchor "
+                      "terms — are in-sample and reported apart)",
+          definition="real turn ends where <|im_end|> was the base argmax and no longer is")
 def _f_te_arg(ev: Evidence) -> Measure:
     t = ev.turn_ends
     if not t.get("n"):
-        return Measure(None, {"why": "no real turn end (<|im_end|> target) in the chat documents"}, threshold=0.0)
-    return Measure(float(t["lost"]), {"n": t["n"], "was_argmax": t["was_argmax"], "lost": t["lost_rows"]},
-                   threshold=0.0)
+        return Measure(None, {"why": "no unprotected real turn end (<|im_end|> target) in the chat documents",
+                              "protected": t.get("protected")}, threshold=0.0)
+    return Measure(float(t["lost"]), {"n": t["n"], "was_argmax": t["was_argmax"], "lost": t["lost_rows"],
+                                      "protected": t.get("protected")}, threshold=0.0)
 
 
 @register("f.turn_end_dlogp", family="(f)", direction=GE, threshold="im_end_dlogp",
-          aggregation="mean over real turn ends", definition="Δlog p(<|im_end|>) where it is the true next token")
+          aggregation="mean over real turn ends the solver did not protect (protected ones reported apart)",
+          definition="Δlog p(<|im_end|>) where it is the true next token")
 def _f_te_dl(ev: Evidence) -> Measure:
     t = ev.turn_ends
-    return Measure(t.get("mean_dlogp"), {"n": t.get("n"), "min": t.get("min_dlogp")})
+    return Measure(t.get("mean_dlogp"), {"n": t.get("n"), "min": t.get("min_dlogp"), "protected": t.get("protected")})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -487,3 +552,58 @@ def _blind_resid(ev: Evidence) -> Measure:
            "factor": ev.thresholds.blind_residual_factor,
            "absolute_residual_vs_dev": b.get("absolute_residual_vs_dev")}
     return Measure(s.get("residual_ratio"), det, threshold=thr)
+
+
+@register("blind.slop_residual_abs", family="blind", direction=LE, threshold="blind_residual_abs", mode=MODE_BLIND,
+          aggregation="max over the phrases present in the blind document of mean p_after / mean p_before at "
+                      "the phrase's events (the worst phrase is named)",
+          definition="slop residual ratio of EACH phrase present on the blind document, an absolute bar (the "
+                     "seed's blind level): a bundle that removes almost nothing fails it whatever the dev report says")
+def _blind_resid_abs(ev: Evidence) -> Measure:
+    per = {k: v.get("residual_ratio") for k, v in ev.blind.get("slop", {}).get("per_phrase", {}).items()}
+    if not per:
+        return Measure(None, {"why": "no slop event in the blind document: nothing to sign off on"})
+    if any(v is None for v in per.values()):
+        return Measure(None, {"per_phrase": per, "why": "a phrase with base p 0 at its events"})
+    worst = max(per, key=per.get)
+    return Measure(per[worst], {"per_phrase": per, "worst_phrase": worst})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stamps on the report's summary line
+
+# thresholds whose change in this direction makes a bar easier: "lower" (a minimum lowered) or "higher"
+WEAKENING = {
+    "min_heldout_per_phrase": "lower", "collateral_min_total": "lower", "collateral_min_per_word": "lower",
+    "heldout_frac": "lower", "slop_reduction": "lower", "collateral_word_mean": "lower",
+    "chat_ordinary_dlogp": "lower", "im_end_dlogp": "lower",
+    "collateral_frac_below": "higher", "kld_max": "higher", "chat_kld": "higher", "special_rise_tol": "higher",
+    "blind_residual_factor": "higher", "blind_residual_abs": "higher", "zero_proxy_tol": "higher",
+    "ce_proxy_frac": "higher", "overlap_window": "higher",
+}
+
+
+def weakened(thresholds) -> list[str]:
+    """Thresholds set in the direction that makes a bar easier than its default (DESIGN §6), as
+    "name value (default d)"; a report with any is stamped "weakened"."""
+    from dataclasses import fields as dc_fields
+
+    out = []
+    for f in dc_fields(thresholds):
+        way = WEAKENING.get(f.name)
+        v, d = getattr(thresholds, f.name), f.default
+        if way and ((way == "lower" and v < d) or (way == "higher" and v > d)):
+            out.append(f"{f.name} {v:g} (default {d:g})")
+    return out
+
+
+def stamps(thresholds, proxy: dict) -> list[str]:
+    """The report's stamps: "weakened: …" when a bar was made easier, "unverified: …" when dumps without the
+    engine's own log p were accepted (--allow-unverified)."""
+    out = []
+    w = weakened(thresholds)
+    if w:
+        out.append("weakened: " + ", ".join(w))
+    if proxy.get("unverified") and proxy.get("allow_unverified"):
+        out.append(f"unverified: {len(proxy['unverified'])} dump(s) without engine log p")
+    return out

@@ -336,14 +336,22 @@ def flip_figures(docs: Iterable[DocResult], vocab, special_ids: Mapping[str, int
             "flips": flips}
 
 
-def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int]) -> dict:
-    """At real turn ends (target <|im_end|>): does <|im_end|> stay the argmax where it was; mean Δlog p of it."""
+def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
+                     protected: frozenset | set = frozenset()) -> dict:
+    """At real turn ends (target <|im_end|>): does <|im_end|> stay the argmax where it was; mean Δlog p of it.
+    Turn ends in `protected` ((doc sha256, row) pairs the solver held fixed: in-sample) are left out of the
+    figures and summarised apart under "protected"."""
     im_end = int(special_ids[names.IM_END])
     n, kept, was, dl, lost = 0, 0, 0, [], []
+    pdl, plost = [], 0
     for d in docs:
         if not d.is_chat:
             continue
         for t in np.flatnonzero(d.chat.terminal).tolist():
+            if (d.sha256, t) in protected:
+                pdl.append(float(d.ps.dlogp[t]))
+                plost += int(int(d.ps.base.argmax[t]) == im_end and int(d.ps.new.argmax[t]) != im_end)
+                continue
             n += 1
             dl.append(float(d.ps.dlogp[t]))  # the target is <|im_end|>
             if int(d.ps.base.argmax[t]) == im_end:
@@ -353,7 +361,8 @@ def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int]) 
                 else:
                     lost.append({"doc": d.path, "pos": t, "dlogp": float(d.ps.dlogp[t])})
     return {"n": n, "was_argmax": was, "kept": kept, "lost": len(lost), "lost_rows": lost,
-            "mean_dlogp": _mean(dl), "min_dlogp": min(dl, default=None)}
+            "mean_dlogp": _mean(dl), "min_dlogp": min(dl, default=None),
+            "protected": {"n": len(pdl), "lost": plost, "mean_dlogp": _mean(pdl)}}
 
 
 def ordinary_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int], below: float = -0.1) -> dict:

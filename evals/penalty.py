@@ -320,6 +320,7 @@ class PenaltyArgs:
     sets: tuple[str, ...] = ("heldout",)  # where the residual is measured
     policy: str | None = None
     device: str = "cpu"
+    ledger: Path | None = None  # default: the base model's ledger (l47.data.ledger)
 
 
 @dataclass(frozen=True)
@@ -359,14 +360,19 @@ def run_penalty(args: PenaltyArgs) -> PenaltyResult:
         raise L47Error("penalty", "form", f"one of {FORMS}", repr(args.form))
     w = load_tail_weights(base, policy=args.policy or exp.policy, device=args.device)
     vocab = load_vocab(exp, base, w.V)
+    from l47.data.ledger import Ledger
+
+    ledger = Ledger.open(args.ledger, w.model_sha256)  # every scored document recorded before it is scored
     # the experiment's own selection (split included); blind documents are never touched here
     rep = build_sets(replace(exp, sets={k: v for k, v in exp.sets.items() if k != "blind"}), w, vocab=vocab,
-                     device=args.device)
+                     device=args.device, ledger=ledger, command="penalty")
     pts = phrase_tuples_of(rep)
     spec = make_spec(pts, args.bias, args.form, w.model_sha256, vocab.name)
     if not spec.rules:
         raise L47Error(args.experiment, "phrases", "at least one multi-token banned tuple", "none")
-    W_new = edited_weight(w, args.bundle, args.device)[0] if args.bundle is not None else None
+    W_new, bsha = edited_weight(w, args.bundle, args.device) if args.bundle is not None else (None, None)
+    if bsha is not None:  # scored against the bundle too
+        ledger.append([dr.sha256 for dr in rep.docs if dr.set in args.sets and not dr.refused], bsha, "penalty")
     finals = list(spec.finals)
     topk = max(5, len(finals) + 2)
     acc: dict[str, dict[str, list]] = {}

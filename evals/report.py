@@ -62,7 +62,7 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
 
 def render_markdown(r: dict) -> str:
     L: list[str] = []
-    verdict = "PASS" if r["passed"] else "FAIL"
+    verdict = ("PASS" if r["passed"] else "FAIL") + "".join(f" — {x}" for x in r.get("stamps") or ())
     L += [f"# l47 audit ({r['mode']}): {verdict}", "",
           f"toolkit {r['toolkit_version']}, schema `{r['schema']}`, exit code {r['exit_code']}", ""]
     inp = r["inputs"]

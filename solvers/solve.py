@@ -152,11 +152,13 @@ class SolvePlan:
     report: object  # SetsReport
     sets_built_here: bool  # the sets pass (base scoring of every document) ran inside this solve
     dumps: DumpCache
+    ledger: object = None  # l47.data.ledger.Ledger of the base model (or the one --ledger names)
 
 
 def plan_solve(args: SolveArgs) -> SolvePlan:
     """Load and check every input before any solving: model, output path, config, target type, sets report."""
     from l47.data.experiment import load_experiment
+    from l47.data.ledger import Ledger
     from l47.data.sets import build_sets, load_sets_report
     from l47.model.gguf_io import open_gguf
     from l47.model.weights import load_tail_weights
@@ -177,9 +179,14 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
+    # the base model's ledger, validated before any scoring; every document this solve may score is in it first
+    ledger = Ledger.open(args.ledger, base_g.sha256())
     built = not args.sets_json
-    report = build_sets(exp, w, device=args.device) if built else load_sets_report(args.sets_json)
-    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w))
+    report = (build_sets(exp, w, device=args.device, ledger=ledger, command="solve") if built
+              else load_sets_report(args.sets_json))
+    ledger.append([d.sha256 for d in report.docs if d.set in SOLVER_SETS and not d.refused and d.sha256],
+                  w.model_sha256, "solve")
+    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w), ledger)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -345,23 +352,16 @@ def _write_bundle(plan: SolvePlan, raw: np.ndarray) -> str:
     return open_gguf(plan.out).sha256()
 
 
-def _ledger_entries(plan: SolvePlan, sel: Selection, bundle_sha: str) -> list[tuple[str, str]]:
-    """(doc, model or bundle sha256) for what THIS command scored: the documents it measured on the bundle
-    (events, anchors, turn ends, background) against the bundle; when it built the sets itself, every document
-    that pass scored, against the base (a blind document is never scored by a solve)."""
-    on_bundle = ({e.doc_sha256 for e in sel.train + sel.dev} | {c.doc_sha256 for c in sel.anchors}
-                 | {s for s, _ in sel.turn_ends + sel.background})
-    out = []
-    if plan.sets_built_here:
-        out += [(d.sha256, plan.report.model_sha256) for d in plan.report.docs
-                if d.set != "blind" and d.sha256 and d.ce is not None]
-    return out + [(s, bundle_sha) for s in sorted(on_bundle)]
+def _measured_on_bundle(sel: Selection) -> list[str]:
+    """The documents this solve measured on the bundle (events, anchors, turn ends, background), by content. They
+    are in the ledger against the base since plan_solve; write_outputs adds the bundle they were scored on (a
+    blind document is never scored by a solve)."""
+    return sorted({e.doc_sha256 for e in sel.train + sel.dev} | {c.doc_sha256 for c in sel.anchors}
+                  | {s for s, _ in sel.turn_ends + sel.background})
 
 
 def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipped,
                   claims: rec.SolveClaims) -> SolveResult:
-    from l47.data.ledger import append_ledger
-
     bundle_sha = _write_bundle(plan, shipped.raw)
     r, base_sha = plan.report, plan.base_g.sha256()
     inputs = [rec.InputFile(str(plan.model), base_sha, "model"),
@@ -374,8 +374,7 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
                              claims=claims, notes=list(warnings))
     path = rec.record_path_for(plan.out)
     write_text_atomic(path, record.to_json())
-    append_ledger(plan.args.ledger or plan.out.parent / "ledger.jsonl", _ledger_entries(plan, sel, bundle_sha),
-                  "solve")
+    plan.ledger.append(_measured_on_bundle(sel), bundle_sha, "solve")
     return SolveResult(record, plan.out, path, plan.cfg)
 
 

@@ -9,7 +9,9 @@ convention (the (1 + w) fold, the /hc inside the inject sigmoid, stream-major fl
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_hf
 
 from tiny_hf import tiny_model  # noqa: E402
+
+# The scoring ledgers live under $L47_HOME (l47.data.ledger): never the user's own during tests. Module fixtures
+# share this session folder; every test function gets a fresh one (`_l47_home`).
+os.environ["L47_HOME"] = tempfile.mkdtemp(prefix="l47-test-home-")
+
+
+@pytest.fixture(autouse=True)
+def _l47_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("L47_HOME", str(tmp_path_factory.mktemp("l47_home")))
 
 TINY_VOCAB = 1024  # the tiny model's vocabulary; the BPE below has at most this many tokens
 

@@ -128,15 +128,22 @@ def test_header_layout_and_size_formula(tmp_path):
     assert _order(["role", "ref_logits", "tokens"]) == ["tokens", "ref_logits", "role"]
 
 
-def test_sha256_deterministic_and_equal_to_file_hash(tmp_path):
+def test_identity_is_the_tokens_file_hash_is_provenance(tmp_path):
+    """Dump.sha256 (the document's identity) = sha256 of the token ids as little-endian int32, whatever the
+    metadata; Dump.file_sha256 = sha256 of the file bytes (changes with doc_id)."""
     arrays, meta = make_arrays(), make_meta()
     mem = Dump(path=None, meta=meta, **arrays)
     again = Dump(path=None, meta=make_meta(), **make_arrays())
-    assert mem.sha256 == again.sha256
+    assert mem.sha256 == again.sha256 and mem.file_sha256 == again.file_sha256
     p = write_dump(tmp_path / "d.safetensors", mem)
-    assert mem.sha256 == doc_hash(p) == hashlib.sha256(p.read_bytes()).hexdigest() == read_dump(p).sha256
+    assert mem.file_sha256 == doc_hash(p) == hashlib.sha256(p.read_bytes()).hexdigest() == read_dump(p).file_sha256
+    tok = hashlib.sha256(np.asarray(arrays["tokens"]).astype("<i4").tobytes()).hexdigest()
+    assert mem.sha256 == read_dump(p).sha256 == tok
     changed = Dump(path=None, meta=make_meta(doc_id="doc-1"), **arrays)
-    assert changed.sha256 != mem.sha256
+    assert changed.file_sha256 != mem.file_sha256 and changed.sha256 == mem.sha256  # renamed: same document
+    other = dict(arrays, tokens=np.asarray(arrays["tokens"]).copy())
+    other["tokens"][0] += 1
+    assert Dump(path=None, meta=meta, **other).sha256 != mem.sha256
 
 
 # --- memory mapping -------------------------------------------------------------------------------------

@@ -365,3 +365,53 @@ def test_provenance_rules():
     assert "no generation settings" in provenance_reasons({"assistant": "generated"}, ["assistant"], sha)[0]
     other = {**ok, "generation": {**gen, "model": "cd" * 32}}
     assert "not this model" in provenance_reasons(other, ["assistant"], sha)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# identity by content: prefix rows (bar (e) and the solver share them), near-duplicate windows
+
+
+def test_prefix_rows_any_target():
+    """Row t is a prefix row iff the tokens ending at t are a banned tuple's prefix, whatever tokens[t+1] is;
+    checked against a brute-force loop over every row and tuple."""
+    from l47.dumps.select import PhraseTuples, find_events, prefix_rows
+
+    pts = [PhraseTuples("a b c", ((1, 2, 3), (7, 2, 3)), ("a b c", " a b c")), PhraseTuples("x y", ((5, 6),), ("x y",))]
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 9, size=400)
+    rows = prefix_rows(tokens, pts)
+    ref = np.zeros(len(tokens) - 1, dtype=bool)
+    for t in range(len(tokens) - 1):
+        for pt in pts:
+            for u in pt.tuples:
+                k = len(u) - 1
+                if t + 1 - k >= 0 and tuple(tokens[t + 1 - k:t + 1]) == u[:-1]:
+                    ref[t] = True
+    assert rows.shape == ref.shape and (rows == ref).all() and ref.sum() > 10
+    ev = find_events(tokens, pts)
+    assert all(rows[e.pos] for e in ev)  # every event is a prefix row ...
+    assert rows.sum() > len(ev)  # ... and prefix rows with another target exist
+
+
+def test_window_index_finds_shared_windows_exactly():
+    from l47.dumps.select import WindowIndex, content_ids, system_spans
+
+    rng = np.random.default_rng(0)
+    train = rng.integers(10, 5000, size=300)
+    other = rng.integers(10, 5000, size=300)
+    ix = WindowIndex(64)
+    ix.add("train", train)
+    ix.add("other", other)
+    copy63 = np.concatenate([rng.integers(10, 5000, 20), train[100:163], rng.integers(10, 5000, 20)])
+    copy64 = np.concatenate([rng.integers(10, 5000, 20), train[100:164], rng.integers(10, 5000, 20)])
+    assert ix.first_hit(copy63) is None  # 63 shared tokens: below the window
+    h = ix.first_hit(copy64)
+    assert h is not None and (h.key, h.start, h.start_indexed) == ("train", 20, 100)
+    assert ix.keys_sharing(np.concatenate([train[:64], other[200:264]])) == {"train", "other"}
+    assert ix.first_hit(train, skip="train") is None
+    # content ids: chat markup (role template) and a system span listed as common are left out
+    tokens = np.array([0, 11, 12, 13, 99, 21, 22, 99, 31, 32])
+    role = np.array([1, 1, 1, 0, 2, 2, 0, 3, 3])  # system ×3, template, user ×2, template, assistant ×2
+    assert content_ids(tokens, role).tolist() == [11, 12, 13, 21, 22, 31, 32]
+    assert system_spans(tokens, role) == [(11, 12, 13)]
+    assert content_ids(tokens, role, exclude=[(11, 12, 13)]).tolist() == [21, 22, 31, 32]

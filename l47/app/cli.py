@@ -64,8 +64,8 @@ def score(
     tsv: Optional[Path] = typer.Option(None, "--tsv", help="per-position TSV output"),
     policy: str = typer.Option("strata", help="runtime weight policy: strata | exact"),
     device: str = typer.Option("cpu"),
-    ledger: Optional[Path] = typer.Option(None, help="append scored document hashes to this ledger "
-                                          "(default $L47_LEDGER)"),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
+                                          "$L47_HOME/ledgers/<base sha256>.jsonl)"),
     allow_other_model: bool = typer.Option(False, help="score dumps made from another model"),
 ):
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
@@ -160,7 +160,8 @@ def sets(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
     model: Optional[Path] = typer.Option(None, "--model"),
     device: str = typer.Option("cpu"),
-    ledger: Optional[Path] = typer.Option(None, help="append scored documents to this ledger (default $L47_LEDGER)"),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
+                                          "$L47_HOME/ledgers/<base sha256>.jsonl)"),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
     from l47.app.sets_view import run_sets
@@ -177,7 +178,8 @@ def solve(
     model: Optional[Path] = typer.Option(None, "--model"),
     overlay: bool = typer.Option(False, help="write an overlay (the shared-expert writers) instead of a full GGUF"),
     sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
-    ledger: Optional[Path] = typer.Option(None),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
+                                          "$L47_HOME/ledgers/<base sha256>.jsonl)"),
     device: str = typer.Option("cpu"),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
@@ -211,12 +213,13 @@ def demo(
     max_new_tokens: int = typer.Option(96),
     fresh: bool = typer.Option(False, help="remove previous outputs first"),
     control: bool = typer.Option(True, help="also audit a negative-control bundle (must FAIL)"),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the demo model's, under $L47_HOME)"),
 ):
     """The whole workflow on the shipped demo model: dump -> sets -> solve -> audit -> blind -> negative control."""
     from l47.app.demo import DemoArgs, run_demo
 
     raise typer.Exit(run_demo(DemoArgs(out=out, prompts=prompts, max_new_tokens=max_new_tokens, fresh=fresh,
-                                       control=control), console))
+                                       control=control, ledger=ledger), console))
 
 
 @app.command()
@@ -228,7 +231,10 @@ def audit(
     out: Path = typer.Option(Path("audit"), "--out", help="report directory"),
     blind: Optional[Path] = typer.Option(None, "--blind", help="blind document (dump) for the sign-off"),
     dev_report: Optional[Path] = typer.Option(None, "--dev", "--dev-report", help="the dev audit's report.json"),
-    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: OUT/ledger.jsonl)"),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
+                                          "$L47_HOME/ledgers/<base sha256>.jsonl)"),
+    allow_unverified: bool = typer.Option(False, help="accept dumps without engine log p (zero-proxy bar n/a; "
+                                          "the report is stamped \"unverified\")"),
     record: Optional[Path] = typer.Option(None, help="solve record (default: BUNDLE.solve.json)"),
     engine_dumps: list[Path] = typer.Option([], "--engine-dump", help="dumps of the engine running the bundle"),
     policy: str = typer.Option("strata"),
@@ -241,7 +247,7 @@ def audit(
     from l47.evals.audit import AuditArgs
 
     res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
-                                    tuple(engine_dumps), plots=plots), console)
+                                    tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified), console)
     raise typer.Exit(res.exit_code)
 
 
@@ -255,12 +261,15 @@ def penalty(
     bias: float = typer.Option(5.0, help="logit bias subtracted from the final token after its exact prefix"),
     form: str = typer.Option("prefix-exact", help="prefix-exact | last-prefix-token | previous-token (cheaper forms: extra hits measured)"),
     device: str = typer.Option("cpu"),
+    ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
+                                          "$L47_HOME/ledgers/<base sha256>.jsonl)"),
 ):
     """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export."""
     from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty
 
-    print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device)), console)
+    print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device, ledger=ledger)),
+                  console)
 
 
 def main():  # pragma: no cover

@@ -24,7 +24,7 @@ class ScoreArgs:
     tsv: Path | None = None
     policy: str = "strata"
     device: str = "cpu"
-    ledger: Path | None = None
+    ledger: Path | None = None  # default: the base model's ledger (l47.data.ledger.default_ledger_path)
     allow_other_model: bool = False  # score dumps made from another model (refused by default, DESIGN §3.1)
 
 
@@ -50,6 +50,7 @@ class ScoreResult:
     rows: int = 0
     tsv: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    ledger: str | None = None
 
 
 TSV_BASE = ("doc", "pos", "target", "logp_target", "argmax")
@@ -59,18 +60,20 @@ TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
 def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
     """Score every dump; with a bundle, paired base-vs-edited statistics from one streamed pass each."""
     from l47.dumps import read_dump
-    from l47.data.ledger import append_ledger, default_ledger
+    from l47.data.ledger import Ledger
 
     w = load_tail_weights(args.model, policy=args.policy, device=args.device)
+    ledger = Ledger.open(args.ledger, w.model_sha256)  # a corrupt ledger / another model's: refused now
     W_new, bsha = (None, None)
     if args.bundle is not None:
         W_new, bsha = edited_weight(w, args.bundle, args.device)
-    docs, notes, hashes = [], [], []
+    docs, notes = [], []
     buf = io.StringIO()
     tsv = csv.writer(buf, delimiter="\t", lineterminator="\n")
     tsv.writerow(TSV_PAIRED if W_new is not None else TSV_BASE)
     rows = 0
-    for p in args.dumps:
+    dumps = []
+    for p in args.dumps:  # every input checked before anything is scored
         d = read_dump(p)
         check_dump_dims(w, d.meta, str(p))
         if d.meta.model not in (w.model_sha256, "") and not str(d.meta.model).startswith("hf:"):
@@ -78,6 +81,10 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
                 raise L47Error(p, "meta.model", f"the scoring model {w.model_sha256[:16]}… (or --allow-other-model)",
                                f"{str(d.meta.model)[:16]}…")
             notes.append(f"{p}: dumped from model {d.meta.model[:12]}…, scored under {w.model_sha256[:12]}…")
+        dumps.append((p, d))
+    # every document is in the ledger (by content) before its first score is computed
+    ledger.append([d.sha256 for _, d in dumps], bsha or w.model_sha256, "score")
+    for p, d in dumps:
         if not d.verified:
             notes.append(f"{p}: unverified (no ref_logp: the zero-proxy check was not run)")
         tg = np.asarray(d.tokens[1:])
@@ -97,15 +104,12 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
                 tsv.writerow([d.meta.doc_id, t, int(tg[t]), f"{b.logp_target[t]:.6f}", int(b.argmax[t]),
                               f"{n.logp_target[t]:.6f}", int(n.argmax[t]), f"{ps.kld[t]:.8f}"])
         rows += docs[-1].T
-        hashes.append(d.sha256)
         if progress is not None:
             progress()
     if args.tsv is not None:
         write_text_atomic(args.tsv, buf.getvalue())
-    ledger = args.ledger if args.ledger is not None else default_ledger()
-    if ledger is not None:
-        append_ledger(ledger, [(h, bsha or w.model_sha256) for h in hashes], "score")
-    return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes))
+    return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes),
+                       str(ledger.path))
 
 
 def ppl(ce: float) -> float:

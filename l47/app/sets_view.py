@@ -87,21 +87,22 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     from rich.console import Console
 
     from l47.data.experiment import load_experiment
-    from l47.data.ledger import default_ledger
+    from l47.data.ledger import Ledger
     from l47.data.sets import build_sets, write_sets_json
+    from l47.errors import L47Error
+    from l47.model.weights import load_tail_weights
 
     console = console or Console()
     exp = load_experiment(experiment_path)
-    report = build_sets(exp, model, device=device)
+    src = model if model is not None else exp.model
+    if src is None:
+        raise L47Error(exp.path, "model", "a base GGUF (the experiment's `model` key or --model)", "none given")
+    w = load_tail_weights(src, policy=exp.policy, device=device)
+    # the base model's ledger (or the one named), validated now; every document scored is in it first
+    report = build_sets(exp, w, device=device, ledger=Ledger.open(ledger, w.model_sha256), command="sets")
     for r in render_sets_table(report):
         console.print(r)
     if json_out is not None:
         p = write_sets_json(report, json_out)
         console.print(f"sets JSON: {p}")
-    ledger = ledger if ledger is not None else default_ledger()
-    if ledger is not None:  # every document scored here, against the base model (blind ones are never scored)
-        from l47.data.ledger import append_ledger
-
-        append_ledger(ledger, [(d.sha256, report.model_sha256) for d in report.docs
-                               if d.set != "blind" and d.sha256 and d.ce is not None], "sets")
     return 1 if report.warnings else 0

@@ -38,9 +38,9 @@ class Thresholds:
 
     non_event_p: float = 1e-2  # base p(final token) below this: a non-event (seed §3 (2))
     heldout_frac: float = 0.30  # ≥ this share of events held out, by document (seed §5 (c))
-    min_heldout_per_phrase: int = 3  # held-out events per phrase, else a warning (seed §6.3)
-    collateral_min_total: int = 200  # collateral occurrences in collateral_eval (seed §5 (d))
-    collateral_min_per_word: int = 10  # ... per word (seed §6: 16–32 per word were scored)
+    min_heldout_per_phrase: int = 3  # held-out events per phrase: a bar of the audit (seed §6.3)
+    collateral_min_total: int = 200  # collateral occurrences in collateral_eval: a bar (seed §5 (d))
+    collateral_min_per_word: int = 10  # ... per word: a bar (seed §6: 16–32 per word were scored)
     slop_reduction: float = 0.50  # held-out mean p(rejected) reduced by ≥ this (seed §6.3: −54 % blind)
     collateral_word_mean: float = -0.05  # per-word mean Δlog p ≥ this, nats (seed §6 rec. 1)
     collateral_frac_below: float = 0.10  # ≤ this share of collateral occurrences ...
@@ -52,6 +52,9 @@ class Thresholds:
     special_rise_tol: float = 1e-6  # (f) Σ p(special) at slop positions may not rise by more (float scale;
     # seed §6.1's failure was 7/21 argmax flips to <|im_end|>, i.e. a rise of ~0.3)
     blind_residual_factor: float = 1.5  # blind slop residual ratio ≤ this × the dev report's (seed §6.2)
+    blind_residual_abs: float = 0.5  # blind slop residual ratio ≤ this per phrase present (the seed's blind level)
+    overlap_window: int = 64  # a scored document sharing this many consecutive content tokens with a training
+    # document overlaps it (chat markup and a system prompt common to several documents excluded; DESIGN §4)
     zero_proxy_tol: float = 1e-3  # |Δ log p| engine vs tail forward, relative (seed §3.1 precision)
     ce_proxy_frac: float = 0.5  # natural text: base CE ≤ this · ln V (a proxy sits near ln V, seed §3 (1))
     salad_ngram: int = 4  # word n-gram length of the repetition guard

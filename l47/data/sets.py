@@ -15,7 +15,6 @@ report stores p = exp(log p) as f64.
 from __future__ import annotations
 
 import json
-import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -26,7 +25,7 @@ import numpy as np
 from l47.model import names
 from l47.errors import L47Error
 from l47.dumps.schema import PROV_GENERATED
-from l47.data.experiment import KLD, SETS, SPLIT_SETS, Experiment, load_experiment
+from l47.data.experiment import KLD, SCORED_SETS, SETS, SOLVER_SETS, SPLIT_SETS, Experiment, load_experiment
 
 SCHEMA = "l47.sets/1"
 POOL = "pool"
@@ -102,7 +101,27 @@ class DocReport:
     sampler_violations: int | None = None
     refused: bool = False
     reasons: tuple[str, ...] = ()
-    content_key: str = ""  # sha256 of the token ids (independent of the file's path-bearing metadata)
+    content_key: str = ""  # = sha256 (kept for readers of older reports)
+    file_sha256: str = ""  # sha256 of the file bytes: provenance only (a re-saved copy has another)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Two documents of the experiment that are one document by content: the same token ids (`exact`), or a
+    scored document sharing `window` consecutive content tokens with a training document (`window`)."""
+
+    doc_sha256: str
+    set: str
+    path: str
+    with_sha256: str
+    with_set: str
+    with_path: str
+    kind: str  # "exact" | "window"
+    window: int = 0  # content tokens shared (kind "window")
+    at: int = -1  # index of the shared window in the document's content tokens
+    with_at: int = -1  # ... in the other document's
+
+
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,7 @@ class SetsReport:
     collateral: tuple[CollateralRecord, ...]
     split: dict | None  # {seed, fractions, assignment: {path: split}, heldout_frac}
     warnings: tuple[str, ...]
+    overlaps: tuple[Overlap, ...] = ()  # documents that are one document by content (see Overlap)
 
     # --- views
     def set_names(self) -> list[str]:
@@ -181,6 +201,7 @@ class SetsReport:
             **d, "phrases": tuple(d["phrases"]), "phrase_issues": tuple(d["phrase_issues"]), "docs": docs,
             "events": tuple(ev(x) for x in d["events"]), "non_events": tuple(ev(x) for x in d["non_events"]),
             "collateral": tuple(CollateralRecord(**x) for x in d["collateral"]), "warnings": tuple(d["warnings"]),
+            "overlaps": tuple(Overlap(**x) for x in d.get("overlaps", ())),
         })
 
 
@@ -212,19 +233,48 @@ class _Doc:
     events: list = field(default_factory=list)  # (Event, p)
     collateral: list = field(default_factory=list)  # (Collateral, p)
     generated_roles: frozenset = frozenset()  # role codes whose provenance is "generated"
-    content_key: str = ""  # sha256 of the token ids: the split key (independent of paths and metadata)
+    file_sha: str = ""  # sha256 of the file bytes (provenance only)
+    content_key: str = ""  # sha256 of the token ids = sha (the document's identity)
+    content: np.ndarray | None = None  # [C] content token ids for the near-duplicate windows
+    systems: tuple = ()  # system-role spans (id tuples)
+    ids_roles: tuple | None = None  # (tokens [T+1], role [T]) kept for content_of
+
+    def content_of(self, exclude) -> np.ndarray:
+        from l47.dumps.select import content_ids
+
+        return content_ids(*self.ids_roles, exclude=exclude)
+
+
+def _refuse(d: _Doc, reason: str) -> None:
+    """Refuse an already processed document (its events and collateral no longer count)."""
+    d.report = replace(d.report, refused=True, reasons=d.report.reasons + (reason,))
+
+
+def is_scored_set(name: str) -> bool:
+    """Sets the audit scores as evidence (never shown to the solver)."""
+    return name in SCORED_SETS or name.startswith(KLD + ".")
+
+
+def _refuse(d: _Doc, reason: str) -> None:
+    """Refuse an already processed document (its events and collateral no longer count)."""
+    d.report = replace(d.report, refused=True, reasons=d.report.reasons + (reason,))
+
+
+def is_scored_set(name: str) -> bool:
+    """Sets the audit scores as evidence (never shown to the solver)."""
+    return name in SCORED_SETS or name.startswith(KLD + ".")
 
 
 def _refused(d: _Doc, reason: str, doc_id: str = "", T: int = 0) -> _Doc:
     d.report = DocReport(d.set, str(d.path), d.sha, doc_id, T, False, None, 0, 0, 0, Coverage(), refused=True,
-                         reasons=(reason,))
+                         reasons=(reason,), content_key=d.sha, file_sha256=d.file_sha)
     return d
 
 
 def _process(d: _Doc, ctx: dict) -> _Doc:
     from l47.dumps import read_dump
     from l47.dumps.select import (chat_structure, find_collateral, find_events, guard_document,
-                                  provenance_reasons)
+                                  provenance_reasons, system_spans)
     from l47.model.weights import check_dump_dims
 
     w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
@@ -232,8 +282,12 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
         dump = read_dump(d.path)
     except L47Error as e:
         return _refused(d, f"unreadable dump: {e}")
-    d.sha = dump.sha256
-    d.content_key = hashlib.sha256(np.ascontiguousarray(dump.tokens, dtype="<i4").tobytes()).hexdigest()
+    d.sha = dump.sha256  # content hash of the token ids (l47.dumps.content_hash): the document's identity
+    d.content_key = d.sha
+    d.file_sha = dump.file_sha256
+    d.ids_roles = (np.asarray(dump.tokens, dtype=np.int64), np.asarray(dump.role))
+    d.systems = tuple(system_spans(*d.ids_roles))
+    d.content = d.content_of(())  # [C] the targets that are not chat markup
     meta = dump.meta
     d.generated_roles = frozenset(names.ROLE_ID[r] for r, v in (meta.provenance or {}).items()
                                   if r in names.ROLE_ID and v == PROV_GENERATED)
@@ -306,7 +360,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
         dup_lines=None if guard is None else guard.dup_lines,
         sampler_checked=None if guard is None or guard.sampler is None else guard.sampler.checked,
         sampler_violations=None if guard is None or guard.sampler is None else len(guard.sampler.violations),
-        refused=bool(reasons), reasons=tuple(reasons), content_key=d.content_key,
+        refused=bool(reasons), reasons=tuple(reasons), content_key=d.content_key, file_sha256=d.file_sha,
     )
     return d
 
@@ -315,30 +369,102 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
 # the whole experiment
 
 
-def _split_pool(docs: list, exp: Experiment, th) -> dict | None:
+def _copies(docs: list) -> list:
+    """A document (its token ids) belongs to one set only: copies are refused, the training-side one kept (an
+    overlap the audit fails on, bar c.disjoint). Returns (refused copy, kept document, "exact", None) pairs."""
+    pairs = []
+    groups: dict[str, list[_Doc]] = {}
+    for d in docs:
+        if d.sha:
+            groups.setdefault(d.sha, []).append(d)
+    for g in groups.values():
+        if len(g) < 2:
+            continue
+        keep = min(g, key=lambda d: (d.set not in SOLVER_SETS + (POOL,), d.report.refused))
+        for o in g:
+            if o is not keep:
+                _refuse(o, f"the same document (tokens sha256 {o.sha[:12]}) as {keep.path} in set {keep.set}: a "
+                        "document belongs to one set only")
+                pairs.append((o, keep, "exact", None))
+    return pairs
+
+
+def _pool_groups(docs: list, nwin: int) -> dict[str, str]:
+    """Accepted pool documents sharing an `nwin`-token content window, grouped (union-find): content hash ->
+    its group's key, so near-duplicates land in one split. Common system prompts are already stripped."""
+    from l47.dumps.select import WindowIndex
+
+    pool = [d for d in docs if d.set == POOL and not d.report.refused]
+    group = {d.sha: d.sha for d in pool}
+    if not pool or nwin <= 0:
+        return group
+
+    def find(k):
+        while group[k] != k:
+            group[k] = group[group[k]]
+            k = group[k]
+        return k
+
+    ix = WindowIndex(nwin)
+    for d in pool:
+        ix.add(d.sha, d.content)
+    for d in pool:
+        for k in ix.keys_sharing(d.content, skip=d.sha):
+            a, b = find(d.sha), find(k)
+            if a != b:
+                group[max(a, b)] = min(a, b)
+    return {k: find(k) for k in group}
+
+
+def _window_overlaps(docs: list, nwin: int) -> list:
+    """Scored documents sharing `nwin` consecutive content tokens with a training document (after the split):
+    refused, returned as (document, training document, "window", WindowHit) pairs."""
+    from l47.dumps.select import WindowIndex
+
+    pairs = []
+    if nwin <= 0:
+        return pairs
+    tix = WindowIndex(nwin)
+    train = {d.sha: d for d in docs if d.set in SOLVER_SETS and not d.report.refused and d.content is not None}
+    for d in train.values():
+        tix.add(d.sha, d.content)
+    for d in docs:
+        if not is_scored_set(d.set) or d.report.refused or d.content is None:
+            continue
+        hit = tix.first_hit(d.content, skip=d.sha)
+        if hit is not None:
+            keep = train[hit.key]
+            _refuse(d, f"shares {nwin} consecutive content tokens with training document {keep.path} (set "
+                    f"{keep.set}): a near-duplicate, not held-out evidence")
+            pairs.append((d, keep, "window", hit))
+    return pairs
+
+
+def _split_pool(docs: list, exp: Experiment, th, group: dict[str, str]) -> dict | None:
     """Seeded split of the pool's accepted documents into train / dev / heldout, in place (d.set); None without
-    a [split] table."""
+    a [split] table. `group`: content hash -> group key (near-duplicates split together)."""
     from l47.dumps.select import split_documents
 
-    # by document; key: hash of the token ids, so file names and metadata such as the input path do not matter
+    # by document; key: hash of the token ids (of the group's first member when near-duplicates were grouped),
+    # so file names and metadata such as the input path do not matter
     split_info = None
     thr = th.non_event_p
     if exp.split is not None:
         pool = [d for d in docs if d.set == POOL and not d.report.refused]
-        counts = {}
+        counts: dict[str, dict[str, int]] = {}
         for d in pool:
-            c: dict[str, int] = {}
+            c = counts.setdefault(group.get(d.sha, d.sha), {})
             for e, q in d.events:
                 if q >= thr:
                     c[e.phrase] = c.get(e.phrase, 0) + 1
-            counts[d.content_key] = c
         res = split_documents(counts, exp.split.seed, exp.split.fractions, th.heldout_frac,
                               th.min_heldout_per_phrase)
         for d in pool:
-            d.set = res.assignment[d.content_key]
+            d.set = res.assignment[group.get(d.sha, d.sha)]
             d.report = replace(d.report, set=d.set)
         split_info = {"seed": exp.split.seed, "fractions": dict(exp.split.fractions),
-                      "assignment": {str(d.path): d.set for d in pool}, "heldout_frac": res.heldout_frac}
+                      "assignment": {str(d.path): d.set for d in pool}, "heldout_frac": res.heldout_frac,
+                      "groups": len(set(group.values()))}
     return split_info
 
 
@@ -403,10 +529,13 @@ def _warnings(exp, th, issues, docs, ev, col, phrases, words) -> list[str]:
 
 
 def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
-               progress: Callable[[str], None] | None = None, base_stats=None) -> SetsReport:
+               progress: Callable[[str], None] | None = None, base_stats=None, ledger=None,
+               command: str = "sets") -> SetsReport:
     """Mine, score, guard and split every document of an experiment. See the module docstring.
     base_stats(dump, k) -> HeadStats (>= k top-k columns): the base head pass of a document; default one exact
-    pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once."""
+    pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once.
+    `ledger` (l47.data.ledger.Ledger): every document this scores (all but blind ones) is appended to it, by
+    content, against the base model, before the first score is computed."""
     from l47.tail.forward import score_dump
     from l47.dumps.select import phrases_to_tuples
     from l47.model.vocab import resolve_vocab
@@ -439,22 +568,34 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     ctx = dict(weights=w, vocab=vocab, thresholds=th, phrases=phrases, words=words, final_ids=final_ids,
                base_stats=base_stats or (lambda dump, k: score_dump(w, dump, topk=k)))
 
+    if ledger is not None:
+        from l47.data.ledger import dump_content_hashes
+
+        ledger.append(dump_content_hashes(p for s, p in exp.documents() if s != "blind").values(), w.model_sha256,
+                      command)
     docs: list[_Doc] = []
-    seen: dict[str, _Doc] = {}
     for s, path in exp.documents():
         if progress:
             progress(f"{s}: {path}")
-        d = _process(_Doc(s, path), ctx)
-        if d.sha and d.sha in seen:
-            first = seen[d.sha]
-            d.report = replace(d.report, refused=True, reasons=d.report.reasons + (
-                f"the same document (sha256 {d.sha[:12]}) as {first.path} in set {first.set}: a document "
-                f"belongs to one set only",))
-        elif d.sha:
-            seen[d.sha] = d
-        docs.append(d)
+        docs.append(_process(_Doc(s, path), ctx))
 
-    split_info = _split_pool(docs, exp, th)
+    # identity by content: copies refused; near-duplicates (content windows, chat markup and system prompts
+    # common to several documents excluded) split together, and refused as evidence when they share a window
+    # with a training document
+    pairs = _copies(docs)
+    span_docs: dict[tuple, int] = {}
+    for d in docs:
+        for sp in set(d.systems):
+            span_docs[sp] = span_docs.get(sp, 0) + 1
+    common = {sp for sp, n in span_docs.items() if n >= 2}
+    for d in docs:
+        if d.ids_roles is not None and common:
+            d.content = d.content_of(common)
+    split_info = _split_pool(docs, exp, th, _pool_groups(docs, th.overlap_window))
+    pairs += _window_overlaps(docs, th.overlap_window)
+    overlaps = tuple(Overlap(o.sha, o.set, str(o.path), k.sha, k.set, str(k.path), kind,
+                             hit.n if hit is not None else 0, hit.start if hit is not None else -1,
+                             hit.start_indexed if hit is not None else -1) for o, k, kind, hit in pairs)
     ev, nev, col = _records(docs, th.non_event_p)
     warnings += _warnings(exp, th, issues, docs, ev, col, phrases, words)
 
@@ -467,5 +608,5 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
                             for i in issues),
         collateral_words=dict(words), special_ids=dict(vocab.special_ids), docs=tuple(d.report for d in docs),
         events=tuple(ev), non_events=tuple(nev), collateral=tuple(col), split=split_info,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), overlaps=overlaps,
     )
