@@ -420,9 +420,32 @@ def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, 
         if not ok:
             mism.append(name)
     mism += _base_p_mismatches(record, by_sha)
+    conv = convergence_problems(record)
+    mism += conv["unexplained"]
     rederived = {**{claim_name(p): v for p, v in mine.items()}, "bundle_sha256": bundle.get("sha256")}
     return {"present": True, "compared": compared, "mismatched": mism, "not_rederived": not_re,
-            "rederived": rederived}
+            "rederived": rederived, "convergence": conv}
+
+
+EXPLAIN_PREFIX = "convergence:"  # a record note starting with this explains a capped / infeasible solve
+
+
+def convergence_problems(record) -> dict:
+    """A solve that stopped at its iteration cap, or whose max constraint violation exceeds the tolerance it
+    was held to, claims a solution it did not reach: listed as unexplained (failing the claims bar) unless a
+    record note starting "convergence:" explains it (the explanation is then reported)."""
+    from l47.data.record import STOP_ITERATION_CAP
+
+    c = getattr(record.claims, "convergence", None)
+    issues = []
+    if c is not None:
+        if c.stop_reason == STOP_ITERATION_CAP:
+            issues.append(f"convergence.stop_reason = {STOP_ITERATION_CAP} after {c.iterations} iterations")
+        if c.max_violation is not None and c.violation_tol is not None and c.max_violation > c.violation_tol:
+            issues.append(f"convergence.max_violation {c.max_violation:.3g} > violation_tol {c.violation_tol:.3g}")
+    notes = [n for n in record.notes if str(n).strip().lower().startswith(EXPLAIN_PREFIX)]
+    return {"stop_reason": None if c is None else c.stop_reason, "issues": issues, "explanations": notes,
+            "unexplained": [] if notes else issues}
 
 
 def _base_p_mismatches(record, by_sha: dict[str, DocResult]) -> list[str]:

@@ -330,13 +330,16 @@ def _c_min(ev: Evidence) -> Measure:
 
 @register("claims", family="record", direction=LE, threshold=None, aggregation="count of claims",
           definition="figures the solve record claims that the audit re-derives and finds different "
-                     "(tolerance: 1e-4 absolute + 1e-3 relative)")
+                     "(tolerance: 1e-4 absolute + 1e-3 relative), plus an unexplained convergence failure: stop "
+                     "reason iteration_cap, or max constraint violation above its tolerance (explained by a record "
+                     "note starting \"convergence:\")")
 def _claims(ev: Evidence) -> Measure:
     c = ev.claims
     if not c.get("present"):
         return Measure(None, {"why": c.get("why", "no solve record")}, threshold=0.0)
     return Measure(float(len(c["mismatched"])), {"compared": c["compared"], "mismatched": c["mismatched"],
-                                                  "not_rederived": c["not_rederived"]}, threshold=0.0)
+                                                  "not_rederived": c["not_rederived"],
+                                                  "convergence": c.get("convergence")}, threshold=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------

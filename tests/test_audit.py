@@ -170,7 +170,7 @@ def _write_world_dump(path, w, name, spec, arr):
     from l47.tail.forward import full_logits, mix_of_dump, score_dump
 
     prov = {r: WRITTEN for r in {names.ROLES[int(c)] for c in np.unique(arr["role"])}}
-    if DOCS[name][0] == "blind":  # the blind chat claims to be the model's own generation (DESIGN §4)
+    if DOCS.get(name, ("",))[0] == "blind":  # the blind chat claims to be the model's own generation (DESIGN §4)
         prov.update({r: "generated" for r in ("assistant", "think") if r in prov})
         prov["generation"] = {"model": w.model_sha256, "prompt": "held back", "seed": 1,
                               "sampler": {"temperature": 0.7, "top_p": 0.9, "top_k": 40}}
@@ -284,10 +284,12 @@ def _write_record(bundle, w, sets_rep, extra_touched=(), claims_override=None):
     return r
 
 
-def _experiment_toml(root: Path, paths: dict[str, Path], extra_sets: dict | None = None) -> Path:
+def _experiment_toml(root: Path, paths: dict[str, Path], extra_sets: dict | None = None,
+                     name: str = "experiment.toml", drop: tuple[str, ...] = ()) -> Path:
     sets: dict[str, list[str]] = {}
-    for name, (s, _) in DOCS.items():
-        sets.setdefault(s, []).append(paths[name].name)
+    for doc, (s, _) in DOCS.items():
+        if doc not in drop:
+            sets.setdefault(s, []).append(paths[doc].name)
     for s, v in (extra_sets or {}).items():
         sets.setdefault(s, []).extend(v)
     lines = ['name = "audit-test"', 'model = "base.gguf"', 'vocab = "gguf"', 'policy = "strata"', "", "[sets]"]
@@ -297,7 +299,7 @@ def _experiment_toml(root: Path, paths: dict[str, Path], extra_sets: dict | None
         lines += ["", "[[phrases]]", f'text = "{p}"']
     lines += ["", "[thresholds]", "min_heldout_per_phrase = 1", "collateral_min_total = 5",
               "collateral_min_per_word = 1"]
-    path = root / "experiment.toml"
+    path = root / name
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -742,3 +744,216 @@ def test_passing_bundle_from_solve(world, tmp_path):
                     log=lambda *a, **k: None)
     res = _audit(world, out, tmp_path / "audit")
     assert res.passed, {b.name: (b.value, b.threshold, b.details.get("why")) for b in res.bars if not b.passed}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# planted failures (issue 13, item 6): each bad input is failed for its own reason
+
+
+def _resave(world, src: str, dst: Path, *, rows: slice | None = None, drop_ref: bool = False, prov=None):
+    """A re-saved copy of a world document: new file name and doc_id (other file bytes), optionally only the
+    rows `rows` (a near-copy: shares a long window, not the whole token sequence), without the engine's log p,
+    or with another provenance."""
+    from dataclasses import replace as dc_replace
+
+    from l47.dumps import read_dump, write_dump
+
+    d = read_dump(world["paths"][src])
+    arr = {k: np.array(v) for k, v in d.arrays().items()}
+    if rows is not None:
+        arr = {k: (v[rows.start:rows.stop + 1] if k == "tokens" else v[rows]) for k, v in arr.items()}
+    if drop_ref:
+        for k in ("ref_logp", "ref_top_ids", "ref_top_logits", "ref_logits"):
+            arr.pop(k, None)
+    meta = dc_replace(d.meta, doc_id=f"{src}-copy-{dst.stem}", provenance=prov or d.meta.provenance)
+    return write_dump(dst, arr, meta)
+
+
+def _variant(world, tag: str, extra_sets: dict, drop=()) -> Path:
+    return _experiment_toml(world["root"], world["paths"], extra_sets, name=f"exp_{tag}.toml", drop=drop)
+
+
+def _audit_exp(world, bundle, out, exp, **kw):
+    from l47.evals.audit import AuditArgs, run_audit
+
+    kw.setdefault("plots", False)
+    return run_audit(AuditArgs(bundle=bundle, base=world["base"], experiment=exp, out_dir=out, **kw))
+
+
+def test_planted_copy_of_training_document_in_heldout_and_kld(world, tmp_path):
+    """A renamed, re-saved copy of a training chat listed as held-out, and another in a KLD set: the same
+    document by its tokens, so c.disjoint fails naming the training original (before: accepted, exit 0)."""
+    root = world["root"]
+    c1 = _resave(world, "train_a", root / "copy_heldout.safetensors")
+    c2 = _resave(world, "train_b", root / "copy_kld.safetensors")
+    exp = _variant(world, "copies", {"heldout": [c1.name], "kld.ops": [c2.name]})
+    res = _audit_exp(world, world["bundles"]["good"], tmp_path / "out", exp)
+    b = _bars(res)["c.disjoint"]
+    assert not b.passed and res.exit_code == 1
+    over = {o.get("path"): o for o in b.details["overlap"]}
+    assert over[str(c1)]["with_path"] == str(world["paths"]["train_a"]) and over[str(c1)]["scored_set"] == "heldout"
+    assert over[str(c2)]["scored_set"] == "kld.ops" and "exact" in over[str(c2)]["in"]
+    assert over[str(c1)]["doc_sha256"] == _token_sha(world["paths"]["train_a"])
+    # the rest of the audit is unchanged: the copies were refused, not scored as evidence
+    docs = {d["path"]: d for d in res.report["inputs"]["documents"]}
+    assert docs[str(c1)]["refused"] and "one set only" in docs[str(c1)]["reasons"][0]
+
+
+def test_planted_near_copy_shares_a_window(world, tmp_path):
+    """A scored document made of 70 consecutive rows of a training document (not the same tokens): it shares
+    ≥ 64 content tokens with it, so it overlaps (kind window); with the window raised above its length it
+    does not (the rule is the window, not chance)."""
+    from l47.dumps import read_dump
+
+    root = world["root"]
+    d = read_dump(world["paths"]["train_a"])
+    near = _resave(world, "train_a", root / "near_kld.safetensors", rows=slice(3, d.T - 3))
+    assert read_dump(near).sha256 != d.sha256
+    exp = _variant(world, "near", {"kld.ops": [near.name]})
+    res = _audit_exp(world, world["bundles"]["good"], tmp_path / "out", exp)
+    b = _bars(res)["c.disjoint"]
+    assert not b.passed
+    o = next(o for o in b.details["overlap"] if o.get("path") == str(near))
+    assert "window" in o["in"] and o["with_path"] == str(world["paths"]["train_a"])
+    wide = exp.read_text().replace("collateral_min_per_word = 1", "collateral_min_per_word = 1\noverlap_window = 200")
+    exp2 = root / "exp_near_wide.toml"
+    exp2.write_text(wide)
+    res2 = _audit_exp(world, world["bundles"]["good"], tmp_path / "out2", exp2)
+    assert _bars(res2)["c.disjoint"].passed
+    assert any("overlap_window 200" in x for x in res2.report["stamps"])  # a raised window is a weakening
+
+
+def test_planted_blind_copies_are_refused_before_scoring(world, tmp_path):
+    """A re-saved copy of a training document as the blind document (before: the sign-off passed), and a
+    near-copy: both refused before anything is scored; nothing appended."""
+    good = world["bundles"]["good"]
+    dev = tmp_path / "dev"
+    _audit(world, good, dev)
+    gen = {"assistant": "generated", "think": "generated", "user": WRITTEN, "template": WRITTEN, "system": WRITTEN,
+           "generation": {"model": world["w"].model_sha256, "prompt": "held back", "seed": 3,
+                          "sampler": {"temperature": 0.7, "top_p": 0.9, "top_k": 40}}}
+    copy = _resave(world, "train_a", tmp_path / "blind_copy.safetensors", prov=gen)
+    T = world["dumps"]["train_a"].T
+    near = _resave(world, "train_a", tmp_path / "blind_near.safetensors", rows=slice(2, T - 2), prov=gen)
+    n_before = len(_ledger(world).entries())
+    for doc, why in ((copy, "same tokens as"), (near, "near-copy")):
+        with pytest.raises(L47Error, match=why):
+            _audit(world, good, tmp_path / f"b_{doc.stem}", blind=doc, dev_report=dev / "report.json")
+        assert not (tmp_path / f"b_{doc.stem}" / "report.json").exists()
+    assert len(_ledger(world).entries()) == n_before
+    # a hand-written blind chat (not the model's own generation) is refused too
+    written = _resave(world, "blind_a", tmp_path / "blind_written.safetensors",
+                      prov={r: WRITTEN for r in ("assistant", "think", "user", "template", "system")})
+    with pytest.raises(L47Error, match="provenance"):
+        _audit(world, good, tmp_path / "b_written", blind=written, dev_report=dev / "report.json")
+
+
+def test_planted_blind_reused_through_score_and_after_a_killed_run(world, tmp_path, monkeypatch):
+    from l47.app.score import ScoreArgs, run_score
+    import l47.evals.audit as audit_mod
+
+    good = world["bundles"]["good"]
+    dev = tmp_path / "dev"
+    _audit(world, good, dev)
+    gen_blind = world["paths"]["blind_a"]
+    # (1) `l47 score` on the blind document: it is in the base model's ledger now, the sign-off is refused
+    other = _resave(world, "blind_a", tmp_path / "blind_scored.safetensors")
+    assert _token_sha(other) == _token_sha(gen_blind)
+    run_score(ScoreArgs(world["base"], (other,)))
+    with pytest.raises(L47Error, match="scored by `score`"):
+        _audit(world, good, tmp_path / "b1", blind=gen_blind, dev_report=dev / "report.json")
+    # (2) a killed sign-off (fresh ledger): the document is burned and a stub report says so
+    monkeypatch.setenv("L47_HOME", str(tmp_path / "home2"))
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    _audit(world, good, dev)  # the dev audit again, under the fresh ledger
+    monkeypatch.setattr(audit_mod, "score_document", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _audit(world, good, tmp_path / "b2", blind=gen_blind, dev_report=dev / "report.json")
+    stub = json.loads((tmp_path / "b2" / "report.json").read_text())
+    assert stub["status"] == "started" and stub["passed"] is False and "burned" in stub["stamps"][0]
+    assert "NOT FINISHED" in (tmp_path / "b2" / "report.md").read_text()
+    assert [e.event for e in _ledger(world).scored(_token_sha(gen_blind))] == ["blind-started"]
+    monkeypatch.undo()
+    monkeypatch.setenv("L47_HOME", str(tmp_path / "home2"))
+    with pytest.raises(L47Error, match="blind-started"):
+        _audit(world, good, tmp_path / "b3", blind=gen_blind, dev_report=dev / "report.json")
+
+
+def test_planted_one_phrase_left_pooled_would_pass(world, tmp_path):
+    """A bundle that suppresses two phrases' final tokens at slop rows and leaves the third: the pooled
+    reduction passes the bar, the per-phrase bar fails naming the phrase left."""
+    w, vocab, dumps, s = world["w"], world["vocab"], world["dumps"], world["sets"]
+    train = [dumps[n] for n, (st, _) in DOCS.items() if st == "train"]
+    b_ev = _batch(w, train, lambda d: [e.pos for e in s.events if e.set == "train" and e.doc_sha256 == d.sha256])
+    lp0 = _logp(w, b_ev, None).detach()
+    dW = None
+    for word in (" than", " end"):
+        tid = vocab.id_of(word)
+        rows = b_ev["tg"] == tid
+        dW = _along_head_row(w, b_ev, J_KEY, tid, -1.0, base_dW=dW,
+                             done=lambda lp, t=tid, r=rows: float(lp[r, t].exp().mean()) < 0.05 * float(
+                                 lp0[r, t].exp().mean()))
+    bundle = _write_bundle(world["base"], tmp_path / "two_of_three.gguf", w, dW)
+    _write_record(bundle, w, s)
+    res = _audit(world, bundle, tmp_path / "out")
+    b = _bars(res)["c.slop"]
+    assert not b.passed and b.details["worst_phrase"] == "right away" and b.value < 0.5
+    assert b.details["pooled"] >= 0.5  # the old pooled bar would have passed this bundle
+
+
+def test_planted_unnatural_text_in_a_scored_set(world, tmp_path):
+    """A document the model finds unnatural (base p 0.01 at every target: CE 4.6 > ½ ln 1024) in a KLD set:
+    proxy.base_ce fails, naming it as the worst document, although the pooled CE stays under the bar."""
+    from l47.dumps.select import phrases_to_tuples
+
+    w, vocab = world["w"], world["vocab"]
+    pts, _ = phrases_to_tuples(PHRASES, vocab)
+    spec = "Numbers appear in tables and reports; dates appear too. The quick brown fox jumps over the lazy dog."
+    arr, _ = _dump_arrays(vocab, pts, "odd", spec, seed=999)
+    goal = np.full(arr["tokens"].shape[0] - 1, math.log(0.01))
+    _fit_yr(w, [arr], [goal])
+    path = _write_world_dump(world["root"] / "odd.safetensors", w, "odd", spec, arr)
+    exp = _variant(world, "odd", {"kld.ops": [path.name]})
+    res = _audit_exp(world, world["bundles"]["good"], tmp_path / "out", exp)
+    b = _bars(res)["proxy.base_ce"]
+    assert not b.passed and b.details["worst_doc"] == str(path)
+    assert b.value == pytest.approx(-math.log(0.01), abs=2e-3) and b.threshold == pytest.approx(0.5 * math.log(1024))
+    assert b.details["ce_pooled"] < b.threshold
+
+
+def test_planted_dumps_without_engine_logits(world, tmp_path):
+    root = world["root"]
+    bare = _resave(world, "ops", root / "ops_unverified.safetensors", drop_ref=True)
+    exp = _variant(world, "unverified", {"kld.ops": [bare.name]}, drop=("ops",))
+    res = _audit_exp(world, world["bundles"]["good"], tmp_path / "out", exp)
+    b = _bars(res)["proxy.zero_proxy"]
+    assert not b.passed and b.value is None and str(bare) in b.details["unverified"]
+    assert "no engine log p" in b.details["why"]
+    ok = _audit_exp(world, world["bundles"]["good"], tmp_path / "out2", exp, allow_unverified=True)
+    b2 = _bars(ok)["proxy.zero_proxy"]
+    assert b2.passed and b2.applicable and b2.value < 1e-4  # the verified dumps are still judged
+    assert any(x.startswith("unverified: 1 dump") for x in ok.report["stamps"])
+    assert "unverified" in (tmp_path / "out2" / "report.md").read_text().splitlines()[0]
+
+
+def test_planted_record_at_iteration_cap(world, tmp_path):
+    from l47.data import record as rec
+
+    bundle = tmp_path / "good_capped.gguf"
+    shutil.copy(world["bundles"]["good"], bundle)
+    conv = rec.Convergence(stop_reason=rec.STOP_ITERATION_CAP, max_violation=0.3, violation_tol=0.01, iterations=8)
+    r = _write_record(bundle, world["w"], world["sets"], claims_override={"convergence": conv})
+    res = _audit(world, bundle, tmp_path / "out")
+    b = _bars(res)["claims"]
+    assert not b.passed and b.value == 2
+    assert any("iteration_cap" in m for m in b.details["mismatched"])
+    assert any("max_violation" in m for m in b.details["mismatched"])
+    # explained in the record: reported, not failed
+    rec.record_path_for(bundle).write_text(replace(r, notes=["convergence: capped on purpose for this test; "
+                                                                 "the held-out bars judge the result"]).to_json())
+    res2 = _audit(world, bundle, tmp_path / "out2")
+    b2 = _bars(res2)["claims"]
+    assert b2.passed and b2.details["convergence"]["explanations"]

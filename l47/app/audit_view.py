@@ -19,7 +19,8 @@ def print_summary(res, console) -> None:
     """res: l47.evals.audit.AuditReport."""
     r = res.report
     t = Table(title=f"l47 audit ({res.mode}) — bundle {res.bundle_sha256[:12]}… — "
-                    + ("[bold green]PASS[/]" if res.passed else "[bold red]FAIL[/]"), show_lines=False)
+                    + ("[bold green]PASS[/]" if res.passed else "[bold red]FAIL[/]")
+                    + "".join(f" — [yellow]{x}[/]" for x in (res.report.get("stamps") or ())), show_lines=False)
     for c in ("bar", "value", "", "threshold", "status"):
         t.add_column(c, justify="left" if c in ("bar", "status") else "right")
     for b in res.bars:

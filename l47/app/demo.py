@@ -300,4 +300,7 @@ def run_demo(args: DemoArgs, console) -> int:
                   f"{'—' if blind_ok is None else ('PASS' if blind_ok else 'FAIL')}; negative control: "
                   f"{'—' if control_ok is None else ('failed, as it must' if control_ok else 'passed (audit missed it)')}"
                   f"\nreport: {summary['report']}", highlight=False)
+    for what, bars in (("audit", summary["failed_bars"]), ("blind sign-off", summary["blind_failed_bars"])):
+        if bars:
+            console.print(f"{what}: failed bars {', '.join(bars)}", highlight=False)
     return 0 if dev.passed and blind_ok is True and control_ok is not False else 1
