@@ -836,7 +836,7 @@ def test_planted_blind_copies_are_refused_before_scoring(world, tmp_path):
     T = world["dumps"]["train_a"].T
     near = _resave(world, "train_a", tmp_path / "blind_near.safetensors", rows=slice(2, T - 2), prov=gen)
     n_before = len(_ledger(world).entries())
-    for doc, why in ((copy, "same tokens as"), (near, "near-copy")):
+    for doc, why in ((copy, "scored by `audit`.*dev report: scored in set 'train'"), (near, "near-copy")):
         with pytest.raises(L47Error, match=why):
             _audit(world, good, tmp_path / f"b_{doc.stem}", blind=doc, dev_report=dev / "report.json")
         assert not (tmp_path / f"b_{doc.stem}" / "report.json").exists()
