@@ -36,7 +36,7 @@ from l47.solvers.wfld import WfldConfig
 from l47.tail.forward import head_stats, paired_stats
 
 METHODS = ("wfld", "ftpo")
-COMMON_KEYS = ("seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen", "wfld", "ftpo")
+COMMON_KEYS = ("method", "seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen", "wfld", "ftpo")
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,13 @@ def _sub(cls, d: dict, where: str):
     return cls(**d)
 
 
-def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
-    if method not in METHODS:
-        raise L47Error(where, "method", f"one of {METHODS}", repr(method))
+def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveConfig:
+    """[solver] table -> SolveConfig; `method` (--method) wins over the table's `method`, default "wfld"."""
     t = dict(solver_table or {})
+    method = method or t.pop("method", None) or "wfld"
+    t.pop("method", None)
+    if method not in METHODS:
+        raise L47Error(where, "method ([solver] method or --method)", f"one of {METHODS}", repr(method))
     bad = sorted(set(t) - set(COMMON_KEYS))
     if bad:
         raise L47Error(where, f"[solver] key(s) {bad}", f"one of {list(COMMON_KEYS)}", str(bad))

@@ -24,6 +24,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+@app.callback()
+def _options(quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (exit code only)")):
+    """Options for every command: l47 --quiet COMMAND ..."""
+    console.quiet = quiet
+
+
 def guarded(fn):
     """Turn L47Error (and missing files) into one clear line and exit code 2."""
 
@@ -37,6 +43,10 @@ def guarded(fn):
         except FileNotFoundError as e:
             err_console.print(f"[bold red]error:[/] {e.filename}: file: expected an existing file, found nothing",
                               highlight=False)
+            raise typer.Exit(2)
+        except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+            err_console.print(f"[bold red]error:[/] {e.filename}: path: expected a usable file, found "
+                              f"{e.strerror or type(e).__name__}", highlight=False)
             raise typer.Exit(2)
 
     return wrapper
@@ -53,6 +63,54 @@ def inspect(file: Path = typer.Argument(..., help="a GGUF model/bundle or a dump
     from l47.app.inspect import inspect_file
 
     inspect_file(file, console)
+
+
+@app.command()
+@guarded
+def export(
+    hf_dir: Path = typer.Argument(..., help="transformers qwen4exp checkpoint folder (config.json, weights, "
+                                  "tokenizer.json)"),
+    out: Path = typer.Argument(..., help="GGUF to write (must not exist)"),
+    pre: Optional[str] = typer.Option(None, "--pre", help="pre-tokenizer (qwen2 | qwen35) when tokenizer.json's "
+                                      "cannot be detected"),
+    target_type: Optional[str] = typer.Option(None, help="type of every blk.*.ffn_down_shexp (default Q8_0)"),
+    head_type: Optional[str] = typer.Option(None, help="type of output.weight (default Q6_K, Q8_0 if n % 256)"),
+    hc_type: Optional[str] = typer.Option(None, help="type of the hc_* / output_hc_* matrices (default BF16)"),
+    device: str = typer.Option("cpu"),
+):
+    """Checkpoint -> whole-model GGUF with its own tokenizer; kept only if `l47 dump` on it agrees with
+    transformers on the checkpoint (exit 1 and no file otherwise)."""
+    from l47.app.export import ExportArgs, print_export, run_export
+
+    res = run_export(ExportArgs(hf_dir, out, pre, target_type, head_type, hc_type, device),
+                     log=lambda m: console.print(m, highlight=False))
+    print_export(res, console)
+    raise typer.Exit(0 if res.ok else 1)
+
+
+@app.command()
+@guarded
+def init(
+    folder: Path = typer.Argument(..., help="experiment folder to create (or an empty one)"),
+    model: Path = typer.Option(..., "--model", help="the base GGUF (l47 export writes one)"),
+    phrase: list[str] = typer.Option(..., "--phrase", help="a banned phrase (repeat for more)"),
+    word: list[str] = typer.Option([], "--word", help="a collateral word, one token, e.g. ' than' (repeat)"),
+    kld: list[str] = typer.Option(["prose"], "--kld", help="a KLD domain name (repeat)"),
+    name: Optional[str] = typer.Option(None, help="experiment name (default: the folder's name)"),
+    method: str = typer.Option("wfld", help="wfld | ftpo"),
+    setting: list[str] = typer.Option([], "--set", help="table.key=value, e.g. solver.wfld.p_cap=0.35 (repeat)"),
+):
+    """A new experiment folder: commented experiment.toml (every key, default, meaning), prompts/, texts/,
+    dumps/, and the commands to run next."""
+    from l47.app.init import InitArgs, run_init
+
+    r = run_init(InitArgs(folder, model, tuple(phrase), tuple(word), tuple(kld), name, method, tuple(setting)))
+    console.print(f"wrote {r.experiment}; fill in (JSONL, one document per line):", highlight=False)
+    for f in r.files_to_fill:
+        console.print(f"  {folder / f}", highlight=False)
+    console.print(f"then, in {folder}:", highlight=False)
+    for c in r.commands:
+        console.print(f"  {c}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -139,6 +197,7 @@ def dump(
                                              "sequential | JSON {module: device} (accelerate)"),
     max_memory: Optional[str] = typer.Option(None, help="per-device caps, e.g. 0=70GiB,1=70GiB,cpu=200GiB"),
     offload_dir: Optional[Path] = typer.Option(None, help="folder for layers the device map puts on 'disk'"),
+    batch: int = typer.Option(16, help="hf engine: turns sampled together (same ids as one at a time)"),
 ):
     """Run an engine over documents -> dump files, with the zero-proxy check per document."""
     from l47.app.dumping import GenerateOptions, run_dump
@@ -148,43 +207,56 @@ def dump(
 
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
-                       policy=policy, device=device, engine_bin=engine_bin, placement=placement)
-    if not summary.ok:
-        raise typer.Exit(1)
+                       policy=policy, device=device, engine_bin=engine_bin, placement=placement, batch=batch)
+    raise typer.Exit(summary.exit_code)
 
 
 @app.command()
 @guarded
 def sets(
     experiment: Path = typer.Argument(..., help="experiment TOML"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (- : to stdout)"),
     model: Optional[Path] = typer.Option(None, "--model"),
     device: str = typer.Option("cpu"),
     ledger: Optional[Path] = typer.Option(None, help="append scored documents to this ledger (default $L47_LEDGER)"),
+    strict: bool = typer.Option(False, help="warnings are failures (exit 1)"),
 ):
-    """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
+    """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals
+    (--json - : the report as JSON on stdout, nothing else)."""
     from l47.app.sets_view import run_sets
+    from l47.app.tables import FittedConsole, json_to_stdout
 
-    raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device, ledger=ledger))
+    with json_to_stdout(json_out, console) as target:
+        warned = run_sets(experiment, target, FittedConsole(console), model=model, device=device,
+                          ledger=ledger)  # 1: warnings
+    raise typer.Exit(1 if (warned and strict) else 0)
 
 
 @app.command()
 @guarded
 def solve(
     experiment: Path = typer.Argument(..., help="experiment TOML"),
-    method: str = typer.Option("wfld", help="wfld | ftpo"),
+    method: Optional[str] = typer.Option(None, help="wfld | ftpo (default: [solver] method, else wfld)"),
     out: Path = typer.Option(..., "--out", help="bundle GGUF to write (never the base)"),
     model: Optional[Path] = typer.Option(None, "--model"),
     overlay: bool = typer.Option(False, help="write an overlay (the shared-expert writers) instead of a full GGUF"),
     sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
     ledger: Optional[Path] = typer.Option(None),
     device: str = typer.Option("cpu"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the solve record as JSON (- : to stdout)"),
+    strict: bool = typer.Option(False, help="the solver's warnings are failures (exit 1)"),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
+    from l47.app.tables import json_to_stdout
+    from l47.fileio import write_text_atomic
     from l47.solvers.solve import SolveArgs
     from l47.app.solve_report import solve_and_print
 
-    solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json), console)
+    with json_to_stdout(json_out, console) as target:
+        res = solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json), console)
+        if target is not None:
+            write_text_atomic(target, res.record.to_json())
+    raise typer.Exit(1 if (strict and res.claims.method.get("warnings")) else 0)
 
 
 @app.command()
@@ -234,14 +306,22 @@ def audit(
     policy: str = typer.Option("strata"),
     device: str = typer.Option("cpu"),
     plots: bool = typer.Option(True),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (- : to stdout)"),
 ):
     """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
     if every bar passes."""
     from l47.app.audit_view import audit_and_print
+    from l47.app.tables import FittedConsole, json_to_stdout
     from l47.evals.audit import AuditArgs
+    from l47.fileio import write_text_atomic
 
-    res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
-                                    tuple(engine_dumps), plots=plots), console)
+    with json_to_stdout(json_out, console) as target:
+        res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
+                                        tuple(engine_dumps), plots=plots), FittedConsole(console))
+        if target is not None:
+            import json as _json
+
+            write_text_atomic(target, _json.dumps(res.report, indent=1, default=str) + "\n")
     raise typer.Exit(res.exit_code)
 
 

@@ -20,6 +20,14 @@ class FtpoProgress:
         return self
 
     def __call__(self, r: dict) -> None:
+        if not self.console.is_terminal:  # a log, not a bar: one line per dev evaluation (and the first step)
+            self.n = getattr(self, "n", 0) + 1
+            if self.n == 1 or "dev_p_rej" in r or self.n == r.get("steps"):
+                self.console.print(f"FTPO step {self.n}/{r.get('steps')}: loss {r['loss']:.4f} pref "
+                                   f"{r['pref']:.4f} KL {r['kl']:.2e} coll {r['coll']:.2e}"
+                                   + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""),
+                                   highlight=False)
+            return
         if self.bar is None:
             self.bar = Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                 TextColumn("{task.description}"), transient=True, console=self.console)
@@ -78,4 +86,5 @@ def solve_and_print(args, console: Console):
     with FtpoProgress(console) as bar:
         res = run_solve(args, log=lambda m: console.print(m, highlight=False), progress=bar)
     print_solve(res, console)
+    return res
     return res
