@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -112,16 +111,17 @@ def _file_sha(path: Path) -> str:
 
 
 def _check_out_dir(out: Path) -> None:
-    """Refuse an output directory that cannot be written, before any work."""
+    """Refuse an output directory that cannot be created or written, before any work. Creates nothing: a refused
+    or failed audit leaves no folder behind (the report writer makes it)."""
     out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".l47-write-test.")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
+    if out.exists() and not out.is_dir():
+        raise L47Error(out, "output directory", "a folder (or a new path)", "an existing file")
+    anc = Path(os.path.abspath(out))
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
         raise L47Error(out, "output directory", "a directory this user can create and write",
-                       f"{type(e).__name__}: {e.strerror or e}") from None
+                       f"{anc} is {'not writable' if anc.is_dir() else 'a file'}")
 
 
 def _json_default(o):

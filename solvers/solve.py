@@ -49,6 +49,7 @@ class SolveArgs:
     device: str = "cpu"
     ledger: Path | None = None
     sets_json: Path | None = None  # reuse a `l47 sets --json` report instead of re-mining
+    allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
 
 
 @dataclass(frozen=True)
@@ -83,28 +84,27 @@ class SolveResult:
 
 
 def _sub(cls, d: dict, where: str):
-    valid = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(d) - valid)
-    if bad:
-        raise L47Error(where, f"key(s) {bad}", f"one of {sorted(valid)}", str(bad))
-    return cls(**d)
+    from l47.data.experiment import config_from_table
+
+    ranges = {"p_cap": (0.0, 0.999), "step_sizes": (1e-6, 1.0), "max_removed": (0.0, 1.0), "n_chosen": (1, None)}
+    return config_from_table(cls, d, where, f"solver.{cls.__name__.removesuffix('Config').lower()}", ranges)[0]
 
 
 def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveConfig:
-    """[solver] table -> SolveConfig; `method` (--method) wins over the table's `method`, default "wfld"."""
+    """[solver] table -> SolveConfig, every key type- and range-checked (an unknown key answered with the nearest
+    known one); `method` (--method) wins over the table's `method`, default "wfld"."""
+    from l47.data.experiment import config_from_table
+
     t = dict(solver_table or {})
     method = method or t.pop("method", None) or "wfld"
     t.pop("method", None)
     if method not in METHODS:
         raise L47Error(where, "method ([solver] method or --method)", f"one of {METHODS}", repr(method))
-    bad = sorted(set(t) - set(COMMON_KEYS))
-    if bad:
-        raise L47Error(where, f"[solver] key(s) {bad}", f"one of {list(COMMON_KEYS)}", str(bad))
-    return SolveConfig(method=method, seed=int(t.get("seed", 0)), max_background=int(t.get("max_background", 4000)),
-                       max_anchors_per_word=int(t.get("max_anchors_per_word", 0)),
-                       protect_turn_ends=bool(t.get("protect_turn_ends", True)),
-                       n_chosen=int(t.get("n_chosen", 1)), wfld=_sub(WfldConfig, t.get("wfld", {}), where + " [solver.wfld]"),
-                       ftpo=_sub(FtpoConfig, t.get("ftpo", {}), where + " [solver.ftpo]"))
+    top, sub = config_from_table(SolveConfig, t, where, "solver",
+                                 ranges={"n_chosen": (1, None), "max_background": (1, None)},
+                                 nested=("wfld", "ftpo"), fixed={"method": method})
+    return dataclasses.replace(top, method=method, wfld=_sub(WfldConfig, sub.get("wfld", {}), where),
+                               ftpo=_sub(FtpoConfig, sub.get("ftpo", {}), where))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -114,8 +114,10 @@ def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveC
 class DumpCache:
     """The report's accepted documents by sha256, read once; batches of (doc, row) pairs."""
 
-    def __init__(self, report, w):
+    def __init__(self, report, w, allow_other_model: bool = False):
         self.w = w
+        self.allow_other_model = allow_other_model
+        self.other_model_notes: list[str] = []  # dumps of another model, allowed (l47.data.identity)
         self.paths = {d.sha256: d.path for d in report.docs if not d.refused}
         self._cache: dict[str, object] = {}
 
@@ -126,7 +128,11 @@ class DumpCache:
             p = Path(self.paths[sha])
             d = read_dump(p)
             m = str(d.meta.model)
-            if len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != self.w.model_sha256:
+            if self.allow_other_model and len(m) == 64 and m != self.w.model_sha256:
+                from l47.data.identity import other_model_notes
+
+                self.other_model_notes += other_model_notes([p], self.w.model_sha256, self.w.path, True)
+            elif len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != self.w.model_sha256:
                 raise L47Error(p, "meta.model", f"the base model's sha256 {self.w.model_sha256[:16]}…",
                                f"{m[:16]}… (dumped from another model)")
             self._cache[sha] = d
@@ -182,7 +188,7 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
     built = not args.sets_json
     report = build_sets(exp, w, device=args.device) if built else load_sets_report(args.sets_json)
-    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w))
+    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w, args.allow_other_model))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -374,7 +380,7 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
     record = rec.SolveRecord(method=plan.cfg.method, toolkit_version=l47.__version__, seed=plan.cfg.seed,
                              base_sha256=base_sha, bundle_sha256=bundle_sha, target=plan.w.target,
                              config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
-                             claims=claims, notes=list(warnings))
+                             claims=claims, notes=list(warnings) + plan.dumps.other_model_notes)
     path = rec.record_path_for(plan.out)
     write_text_atomic(path, record.to_json())
     append_ledger(plan.args.ledger or plan.out.parent / "ledger.jsonl", _ledger_entries(plan, sel, bundle_sha),
@@ -396,6 +402,9 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
     prob = build_problem(plan, sel)
     log(describe(sel, prob))
     solved = solve_problem(plan, sel, prob, log, progress)
+    from l47.model.weights import check_finite
+
+    check_finite(solved.dW, f"l47 solve ({plan.cfg.method})", "ΔW (the solver's result)")  # never shipped
     shipped = requantize(plan, solved.dW)
     claims = measure(plan, sel, prob, solved, shipped)
     return write_outputs(plan, sel, prob, shipped, claims)

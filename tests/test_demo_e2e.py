@@ -18,7 +18,8 @@ from l47.app.demo import MODEL, DemoArgs, run_demo
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    console = Console(file=open(out / "console.txt", "w"), width=120)
+    log = tmp_path_factory.mktemp("demo_log")  # the demo refuses a folder holding files it did not write
+    console = Console(file=open(log / "console.txt", "w"), width=120)
     code = run_demo(DemoArgs(out=out, prompts=32, max_new_tokens=96), console)
     return out, code
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
 from l47.fileio import write_text_atomic
+from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix
 from l47.solvers.wfld import WfldConfig, solve_wfld

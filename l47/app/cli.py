@@ -1,8 +1,10 @@
 """The `l47` command line: each command parses its options into a dataclass and calls one library function.
 
-Bad input (an `L47Error`) prints one red line naming file, field, expected and found, and exits 2 — no traceback.
 A command function has one parameter per command-line option (typer reads them from the signature), so some have
 more than eight; each only builds its Args dataclass and calls the library.
+Exit codes: 0 ok · 1 a bar or verdict failed · 2 usage or input error (an `L47Error`, a refused output path, an
+unreadable file: one red line naming file, field, expected and found — no traceback) · 130 / 143 interrupted
+(SIGINT / SIGTERM; temp and staging files removed). User text (paths, phrases) is printed literally.
 """
 
 from __future__ import annotations
@@ -30,26 +32,56 @@ def _options(quiet: bool = typer.Option(False, "--quiet", "-q", help="print noth
     console.quiet = quiet
 
 
+def _error_line(msg: str) -> None:
+    """One red line; the message is printed literally (rich markup in user text escaped, newlines shown as \\n)."""
+    from rich.markup import escape
+
+    one = escape(msg.replace("\n", "\\n"))
+    err_console.print(f"[bold red]error:[/] {one}", soft_wrap=True, highlight=False)
+
+
+def _os_error_line(e: OSError) -> str:
+    where = e.filename if e.filename is not None else "l47"
+    if isinstance(e, FileNotFoundError):
+        return f"{where}: file: expected an existing file, found nothing"
+    if isinstance(e, IsADirectoryError):
+        return f"{where}: file: expected a file, found a directory"
+    if isinstance(e, NotADirectoryError):
+        return f"{where}: path: expected a path inside a folder, found a file where a folder should be"
+    return f"{where}: file: expected a readable/writable file with room on its disk, found {e.strerror or e}"
+
+
 def guarded(fn):
-    """Turn L47Error (and missing files) into one clear line and exit code 2."""
+    """Turn user errors (L47Error, unreadable or unwritable files) into one clear line and exit code 2; an
+    interrupt into exit 130 / 143 after the temp files are removed (l47.fileio)."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from l47.fileio import Interrupted, cleanup_live, install_signal_cleanup
+
+        install_signal_cleanup()
         try:
+            from l47.app.paths import check_options
+
+            check_options(fn.__name__, kw)  # --device and shared numeric options, before any work
             return fn(*a, **kw)
         except L47Error as e:
-            err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False, markup=True)
+            _error_line(str(e))
             raise typer.Exit(2)
-        except FileNotFoundError as e:
-            err_console.print(f"[bold red]error:[/] {e.filename}: file: expected an existing file, found nothing",
-                              highlight=False)
+        except OSError as e:
+            _error_line(_os_error_line(e))
             raise typer.Exit(2)
-        except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
-            err_console.print(f"[bold red]error:[/] {e.filename}: path: expected a usable file, found "
-                              f"{e.strerror or type(e).__name__}", highlight=False)
-            raise typer.Exit(2)
+        except (KeyboardInterrupt, Interrupted) as e:
+            cleanup_live()
+            code = e.code if isinstance(e, Interrupted) else 130
+            _error_line(f"interrupted: stopped before finishing; no partial output left (exit {code})")
+            raise typer.Exit(code)
 
     return wrapper
+
+
+def _force_opt():
+    return typer.Option(False, "--force", help="replace an existing file that is not an l47 output of this kind")
 
 
 def _fmt(x, spec=".4f"):
@@ -125,14 +157,18 @@ def score(
     ledger: Optional[Path] = typer.Option(None, help="append scored document hashes to this ledger "
                                           "(default $L47_LEDGER)"),
     allow_other_model: bool = typer.Option(False, help="score dumps made from another model"),
+    force: bool = _force_opt(),
 ):
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
     from rich.progress import Progress
 
+    from l47.app.paths import check_score
     from l47.app.score import ScoreArgs, run_score
 
+    check_score(model, dumps, bundle, tsv, ledger, force)
+
     args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger, allow_other_model)
-    with Progress(console=err_console, transient=True) as prog:
+    with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as prog:
         task = prog.add_task("scoring", total=len(dumps))
         res = run_score(args, progress=lambda: prog.advance(task))
     t = Table(title=f"l47 score — model {res.model_sha256[:12]}"
@@ -152,7 +188,9 @@ def score(
         t.add_row(*row)
     console.print(t)
     for n in res.notes:
-        console.print(f"[yellow]note:[/] {n}", highlight=False)
+        from rich.markup import escape
+
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
     if res.tsv:
         console.print(f"per-position TSV: {res.tsv} ({res.rows} rows)")
 
@@ -167,9 +205,13 @@ def bench(
     what: str = typer.Option("forward", help="forward | wfld | all | pipeline (sets -> solve -> audit)"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     work: Optional[Path] = typer.Option(None, help="pipeline: folder for the synthetic model and dumps (reused)"),
+    force: bool = _force_opt(),
 ):
     """Throughput and memory of the tail forward (and solvers) at real dims with synthetic weights."""
     from l47.app.bench import BenchArgs, run_bench
+    from l47.app.paths import check_bench
+
+    check_bench(json_out, force)
 
     run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out, work=work), console)
 
@@ -205,6 +247,10 @@ def dump(
 
     placement = parse_placement(device_map, max_memory, offload_dir)
 
+    from l47.app.paths import check_dump
+
+    check_dump(inputs, model, out)
+
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
                        policy=policy, device=device, engine_bin=engine_bin, placement=placement, batch=batch)
@@ -220,15 +266,19 @@ def sets(
     device: str = typer.Option("cpu"),
     ledger: Optional[Path] = typer.Option(None, help="append scored documents to this ledger (default $L47_LEDGER)"),
     strict: bool = typer.Option(False, help="warnings are failures (exit 1)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals
     (--json - : the report as JSON on stdout, nothing else)."""
+    from l47.app.paths import check_sets
     from l47.app.sets_view import run_sets
     from l47.app.tables import FittedConsole, json_to_stdout
 
+    notes = check_sets(experiment, json_out, model, ledger, force, allow_other_model)
     with json_to_stdout(json_out, console) as target:
         warned = run_sets(experiment, target, FittedConsole(console), model=model, device=device,
-                          ledger=ledger)  # 1: warnings
+                          ledger=ledger, notes=notes)  # 1: warnings
     raise typer.Exit(1 if (warned and strict) else 0)
 
 
@@ -245,15 +295,20 @@ def solve(
     device: str = typer.Option("cpu"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the solve record as JSON (- : to stdout)"),
     strict: bool = typer.Option(False, help="the solver's warnings are failures (exit 1)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
+    from l47.app.paths import check_solve
     from l47.app.tables import json_to_stdout
     from l47.fileio import write_text_atomic
-    from l47.solvers.solve import SolveArgs
     from l47.app.solve_report import solve_and_print
+    from l47.solvers.solve import SolveArgs
 
+    check_solve(experiment, out, model, overlay, sets_json, ledger, force, method, allow_other_model)
     with json_to_stdout(json_out, console) as target:
-        res = solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json), console)
+        res = solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
+                                        allow_other_model=allow_other_model), console)
         if target is not None:
             write_text_atomic(target, res.record.to_json())
     raise typer.Exit(1 if (strict and res.claims.method.get("warnings")) else 0)
@@ -265,8 +320,12 @@ def transplant(
     overlay: Path = typer.Argument(..., help="overlay GGUF (a subset of the base's tensors)"),
     base: Path = typer.Argument(..., help="full base GGUF"),
     out: Path = typer.Argument(..., help="output GGUF (never the base)"),
+    force: bool = _force_opt(),
 ):
     """Apply an overlay to a full model, verifying byte identity of every other tensor after writing."""
+    from l47.app.paths import check_transplant
+
+    check_transplant(overlay, base, out, force)
     from l47.solvers.bundle import transplant as do
 
     r = do(overlay, base, out)
@@ -307,14 +366,19 @@ def audit(
     device: str = typer.Option("cpu"),
     plots: bool = typer.Option(True),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (- : to stdout)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
 ):
     """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
     if every bar passes."""
     from l47.app.audit_view import audit_and_print
     from l47.app.tables import FittedConsole, json_to_stdout
+    from l47.app.paths import check_audit
     from l47.evals.audit import AuditArgs
     from l47.fileio import write_text_atomic
 
+    check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force,
+                allow_other_model)
     with json_to_stdout(json_out, console) as target:
         res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
                                         tuple(engine_dumps), plots=plots), FittedConsole(console))
@@ -335,11 +399,15 @@ def penalty(
     bias: float = typer.Option(5.0, help="logit bias subtracted from the final token after its exact prefix"),
     form: str = typer.Option("prefix-exact", help="prefix-exact | last-prefix-token | previous-token (cheaper forms: extra hits measured)"),
     device: str = typer.Option("cpu"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
 ):
     """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export."""
+    from l47.app.paths import check_penalty
     from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty
 
+    check_penalty(experiment, out, base, bundle, force, bias, form, allow_other_model)
     print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device)), console)
 
 

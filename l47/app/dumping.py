@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from rich.markup import escape
 
 from l47.model import names
 from l47.dumps.schema import provenance_of
@@ -339,6 +340,19 @@ def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int
     return model, tail, mid, meta, vocab
 
 
+def _portable_source(inputs, doc, input_hash: str) -> dict:
+    """The dump's `source`: the input's file NAME (not its folder) and the line, plus content hashes — so the same
+    documents dumped from a copy of the input in another folder give the same dump bytes (issue 14 item 8)."""
+    where = doc.source or ""
+    name = "documents"
+    if isinstance(inputs, (str, Path)):
+        name = Path(inputs).name
+        folder = str(Path(inputs).parent)
+        if folder not in ("", ".") and where.startswith(folder + "/"):
+            where = where[len(folder) + 1:]
+    return {"input": name, "where": where, "input_sha256": input_hash, "doc_sha256": doc.sha256()}
+
+
 def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
     from l47.dumps import read_dump
 
@@ -422,7 +436,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
         progress = Progress(TextColumn("[bold]dump[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeRemainingColumn(), console=console)
         for e in docset.errors:
-            console.print(f"[red]input error:[/] {e}", highlight=False)
+            console.print(f"[red]input error:[/] {escape(str(e))}", highlight=False)
 
     def say(msg: str) -> None:
         if console is not None:
@@ -448,10 +462,9 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
             try:
                 if _existing_matches(path, ih, mid):
                     results.append(DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model"))
-                    say(f"  {doc.id}: skipped (already dumped with the same input and model)")
+                    say(f"  {escape(doc.id)}: skipped (already dumped with the same input and model)")
                     continue
-                source = {"input": str(inputs) if isinstance(inputs, (str, Path)) else "documents",
-                          "where": doc.source, "input_sha256": ih, "doc_sha256": doc.sha256()}
+                source = _portable_source(inputs, doc, ih)
                 if sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
                     raw_dir = out_dir / ".strata-raw" / path.stem
                     arrays, fields = _strata_document(sbin, model_path, doc, vocab, generate, raw_dir, L, mid,
@@ -478,16 +491,16 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                     os.replace(pending, path)
                     refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
                     results.append(DocResult(doc.id, STATUS_WRITTEN, str(path), T, mx, mean))
-                    say(f"  {doc.id}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
+                    say(f"  {escape(doc.id)}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
                 else:
                     os.replace(pending, refused)
                     msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {tol:.1e} (mean {mean:.3e}); "
                            f"kept as {refused.name}")
                     results.append(DocResult(doc.id, STATUS_REFUSED, str(refused), T, mx, mean, msg))
-                    say(f"  [red]{doc.id}: refused[/]: {msg}")
+                    say(f"  [red]{escape(doc.id)}: refused[/]: {escape(msg)}")
             except L47Error as e:
                 results.append(DocResult(doc.id, STATUS_ERROR, None, message=str(e)))
-                say(f"  [red]{doc.id}: error[/]: {e}")
+                say(f"  [red]{escape(doc.id)}: error[/]: {escape(str(e))}")
             finally:
                 pending.unlink(missing_ok=True)  # never left behind, whatever failed
                 if progress is not None:

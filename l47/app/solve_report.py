@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 
 class FtpoProgress:
@@ -54,7 +56,7 @@ def print_solve(res, console: Console) -> None:
             continue
         for ph, b in d.per_phrase_before.items():
             a = d.per_phrase_after[ph]
-            t.add_row(name, ph, f"{b:.3f}", f"{a:.3f}", f"{(a - b) / b:+.0%}" if b else "—")
+            t.add_row(name, Text(ph), f"{b:.3f}", f"{a:.3f}", f"{(a - b) / b:+.0%}" if b else "—")
         t.add_row(name, "[bold]all[/]", f"{d.before:.3f}", f"{d.after:.3f}",
                   f"{(d.after - d.before) / d.before:+.0%}" if d.before else "—")
     console.print(t)
@@ -74,7 +76,7 @@ def print_solve(res, console: Console) -> None:
                       f"residual {m['residual']:.2e}, {len(m['infeasible_events'])} infeasible event(s), "
                       f"anchor rank {m['anchor_rank']}, null space {m['null_dim']}", highlight=False)
         for wmsg in m.get("warnings", []):
-            console.print(f"[yellow]warning:[/] {wmsg}", highlight=False)
+            console.print(f"[yellow]warning:[/] {escape(str(wmsg))}", highlight=False)
     console.print(f"bundle {res.bundle} (sha256 {res.record.bundle_sha256[:16]}…), record {res.record_path}",
                   highlight=False)
 

@@ -40,8 +40,14 @@ def read_ledger(path: Path) -> list[LedgerEntry]:
     path = Path(path)
     if not path.exists():
         return []
+    if not path.is_file():
+        raise L47Error(path, "ledger", "a JSON-lines ledger file", "a directory" if path.is_dir() else "not a file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise L47Error(path, "ledger", "a JSON-lines ledger (UTF-8 text)", f"binary bytes at offset {e.start}") from None
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

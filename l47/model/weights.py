@@ -14,6 +14,7 @@ All dequantised values are f32; dequantisation itself is exact in f32 for Q8_0/Q
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,27 @@ def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
     return w
 
 
+_FINITE_ROWS = 8192  # rows checked at a time (bounds the bool temporary of a [V, n] head)
+
+
+def check_finite(t: torch.Tensor, where, name: str) -> torch.Tensor:
+    """Refuse a tensor holding NaN or ±Inf: L47Error naming it, the count and the first bad index (row-major).
+    Scanned in row chunks so a [V, n] head never needs a full-size bool temporary. Returns t."""
+    flat = t.reshape(t.shape[0], -1) if t.ndim > 1 else t.reshape(1, -1)  # [rows, cols]
+    count, first = 0, None
+    for r0 in range(0, flat.shape[0], _FINITE_ROWS):
+        bad = ~torch.isfinite(flat[r0:r0 + _FINITE_ROWS])
+        c = int(bad.sum())
+        if c and first is None:
+            k = int(bad.reshape(-1).nonzero()[0, 0]) + r0 * flat.shape[1]
+            first = list(np.unravel_index(k, tuple(t.shape))) if t.ndim else [0]
+        count += c
+    if count:
+        raise L47Error(where, f"tensor {name}", "finite values (no NaN or Inf)",
+                       f"{count} non-finite (first at {[int(i) for i in first]})")
+    return t
+
+
 def _hparam(g, suffix: str, default=None):
     arch = g.kv.get(names.KEY_ARCH, names.ARCH)
     k = names.key(suffix, arch)
@@ -135,6 +157,12 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
             raise L47Error(g.path, f"tensor {names.OUTPUT_SCALE.gguf}", f"1 or {head.shape[0]} values",
                            str(scale.numel()))
     eps = float(_hparam(g, names.K_RMS_EPS, 1e-6))
+    for nm, t in ((t_name, W_sd), (names.OUTPUT_HC_UP.gguf, up), (names.OUTPUT_HC_DOWN.gguf, down),
+                  (names.OUTPUT_HC_NORM.gguf, onorm), (names.OUTPUT.gguf, head), (names.OUTPUT_SCALE.gguf, scale)):
+        if t is not None:
+            check_finite(t, g.path, nm)  # a NaN is never printed as a result
+    if not math.isfinite(eps) or eps < 0:
+        raise L47Error(g.path, f"metadata {names.key(names.K_RMS_EPS)}", "a finite value >= 0", repr(eps))
     return TailWeights(
         layer=L, n=n, f=f, hc=hc, r=r, V=head.shape[0], eps=eps, W_sd=W_sd, onorm=onorm, odown=down, oup=up,
         head=head, head_scale=scale, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
@@ -178,4 +206,5 @@ def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
     W = runtime_tensor(b, w.target, w.policy, device)
     if tuple(W.shape) != tuple(w.W_sd.shape):
         raise L47Error(bundle_path, f"tensor {w.target}", f"shape {tuple(w.W_sd.shape)}", str(tuple(W.shape)))
+    check_finite(W, bundle_path, w.target)
     return W, b.sha256()
