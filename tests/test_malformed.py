@@ -215,7 +215,7 @@ def _bad_toml(kind: str, dumps) -> str:
 
 CASES = [
     # --- inspect
-    ("inspect_dir", ["inspect", "{a_folder}"], 2, ["a_folder", "directory"]),
+    ("inspect_dir", ["inspect", "{a_folder}"], 2, ["a_folder", "config.json"]),
     ("inspect_missing", ["inspect", "{T}/nothing.gguf"], 2, ["nothing.gguf", "expected an existing"]),
     ("inspect_empty", ["inspect", "{empty.gguf}"], 2, ["empty.gguf"]),
     ("inspect_truncated_gguf", ["inspect", "{truncated.gguf}"], 2, ["truncated.gguf"]),

@@ -171,7 +171,7 @@ def config_from_table(cls, d: Any, where, table: str, ranges: dict | None = None
         elif isinstance(default, tuple):
             if not isinstance(v, list) or not v:
                 raise L47Error(where, name, "a non-empty list of numbers", repr(v))
-            kw[f.name] = tuple(_num(Path(str(where)), f"{name}[{i}]", x, float, lo, hi) for i, x in enumerate(v))
+            kw[f.name] = [_num(Path(str(where)), f"{name}[{i}]", x, float, lo, hi) for i, x in enumerate(v)]
         else:
             kw[f.name] = v
     return cls(**{**kw, **(fixed or {})}), rest
