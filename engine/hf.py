@@ -469,6 +469,6 @@ def tail_weights_from_model(model, model_sha: str, layer: int | None = None):
         W_sd=f32(f"model.layers.{last}.mlp.shared_expert.down_proj.weight"),
         onorm=(1.0 + f32(f"{mixer}.hc_norm.weight")).reshape(int(c.hc_count), int(c.hidden_size)),
         odown=f32(f"{mixer}.input_mix_weight_down.weight"), oup=f32(f"{mixer}.input_mix_weight_up.weight"),
-        head=f32("lm_head.weight"), head_scale=None, target=names.target_tensor(last),
+        head=f32("lm_head.weight"), target=names.target_tensor(last),
         target_type=0, model_sha256=model_sha, policy="exact", path=model_sha,
     )

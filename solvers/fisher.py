@@ -7,7 +7,8 @@ positions as ½ tr(ΔWᵀ G ΔW A):
     G = mean_t J_tᵀ F_t J_t                         [n, n]
 
 The exact J_tᵀ F_t J_t costs V·n² per position. **Approximation used: top-K Fisher.** With μ_t = E_{p_t}[W_out]
-(exact, over the full vocabulary, streamed) and s_{t,v} = J_mix,tᵀ (W_out[v] − μ_t) (one vector-Jacobian
+(exact, over the full vocabulary: the streaming accumulator l47.tail.stream, which also gives the
+top-K ids, ties by lower id) and s_{t,v} = J_mix,tᵀ (W_out[v] − μ_t) (one vector-Jacobian
 product through the output mixer per v),
     J_tᵀ F_t J_t = Σ_v p_v s_{t,v} s_{t,v}ᵀ  ≈  Σ_{v ∈ topK(p_t)} p_v s_{t,v} s_{t,v}ᵀ
 and the probability mass outside the top-K is reported (`tail_mass`). It is deterministic (a solve reproduces
@@ -18,13 +19,12 @@ Precision: forward and VJPs in f32; the factors accumulate in f64.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from l47.tail.forward import DEFAULT_CHUNK, head_chunk
 from l47.model.weights import TailWeights
+from l47.tail.stream import stream_head
 from l47.solvers.batch import Batch, ys_grad_mix
 
 
@@ -37,36 +37,10 @@ class FisherFactors:
     P: int
 
 
-@torch.no_grad()
-def _mu_and_topk(mix: torch.Tensor, w: TailWeights, K: int, chunk: int = DEFAULT_CHUNK):
-    """μ = E_p[W_out] [P, n] and the top-K ids / probabilities [P, K], one streamed pass (f64 accumulators)."""
-    P = mix.shape[0]
-    m = torch.full((P,), -math.inf, dtype=torch.float64, device=mix.device)
-    s = torch.zeros(P, dtype=torch.float64, device=mix.device)
-    mu = torch.zeros(P, w.n, dtype=torch.float64, device=mix.device)
-    tv = torch.full((P, K), -math.inf, dtype=mix.dtype, device=mix.device)
-    ti = torch.zeros((P, K), dtype=torch.long, device=mix.device)
-    for lo in range(0, w.V, chunk):
-        hi = min(w.V, lo + chunk)
-        z = head_chunk(mix, w, lo, hi)  # [P, C]
-        m_new = torch.maximum(m, z.max(1).values.double())
-        alpha = torch.exp(m - m_new)
-        e = torch.exp(z - m_new.to(z.dtype)[:, None])  # [P, C]
-        s = s * alpha + e.sum(1, dtype=torch.float64)
-        mu = mu * alpha[:, None] + (e @ w.head[lo:hi]).double()  # [P, n]
-        m = m_new
-        v, i = torch.topk(z, min(K, hi - lo), 1)
-        allv, alli = torch.cat([tv, v], 1), torch.cat([ti, i + lo], 1)
-        o = torch.topk(allv, K, 1).indices
-        tv, ti = torch.gather(allv, 1, o), torch.gather(alli, 1, o)
-    lse = m + torch.log(s)
-    return mu / s[:, None], ti, torch.exp(tv.double() - lse[:, None]), lse
-
-
 def mu_lse(mix: torch.Tensor, w: TailWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """μ = E_p[W_out] [P, n] f64 and log-sum-exp [P] f64 of the full head, one streamed pass (no grad)."""
-    mu, _, _, lse = _mu_and_topk(mix, w, 1)
-    return mu, lse
+    st = stream_head(mix, w.head, w.numerics, mu=True)
+    return st.mu.to(mix.device), st.lse.to(mix.device)
 
 
 def fisher_factors(bg: Batch, w: TailWeights, W: torch.Tensor, K: int = 32, weights: torch.Tensor | None = None,
@@ -81,7 +55,9 @@ def fisher_factors(bg: Batch, w: TailWeights, W: torch.Tensor, K: int = 32, weig
         h = h @ row_basis  # [P, f']
     A = (h * wt[:, None]).T @ h  # [f', f']
     ys, mix = ys_grad_mix(bg, w, W)
-    mu, ids, p, _ = _mu_and_topk(mix.detach(), w, K)
+    st = stream_head(mix.detach(), w.head, w.numerics, topk=K, mu=True)  # one pass: μ and the top-K
+    mu, ids = st.mu.to(mix.device), st.top_i  # [P, n] f64, [P, K]
+    p = torch.exp(st.top_v.to(st.lse.device).double() - st.lse[:, None]).to(mix.device)  # [P, K] f64
     G = torch.zeros(w.n, w.n, dtype=torch.float64, device=bg.hh.device)
     for j in range(K):
         u = (w.head[ids[:, j]].double() - mu) * torch.sqrt(p[:, j] * wt)[:, None]  # [P, n] mix-space score

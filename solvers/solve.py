@@ -180,9 +180,6 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
     cfg = resolve_config(exp.solver, args.method, str(exp.path))
     base_g = open_gguf(model)
     w = load_tail_weights(base_g, policy=exp.policy, device=args.device)
-    if w.head_scale is not None:
-        raise L47Error(model, "tensor output.scale", "no output.scale for the solvers (the audit and scoring "
-                       "handle it; the solvers' linearisation does not yet)", "present")
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)

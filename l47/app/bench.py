@@ -49,7 +49,7 @@ def synthetic_weights(dims: dict, device: str, seed: int = 0) -> TailWeights:
 
     return TailWeights(layer=47, n=n, f=f, hc=hc, r=r, V=V, eps=1e-6, W_sd=rnd(n, f, std=f ** -0.5),
                        onorm=1 + rnd(hc, n, std=0.1), odown=rnd(r, hc * n, std=(hc * n) ** -0.5),
-                       oup=rnd(hc * n, r, std=r ** -0.5), head=rnd(V, n, std=n ** -0.5 * 4), head_scale=None,
+                       oup=rnd(hc * n, r, std=r ** -0.5), head=rnd(V, n, std=n ** -0.5 * 4),
                        target="blk.47.ffn_down_shexp.weight", target_type=8, model_sha256="synthetic",
                        policy="exact", path="synthetic")
 

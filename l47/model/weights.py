@@ -15,7 +15,7 @@ All dequantised values are f32; dequantisation itself is exact in f32 for Q8_0/Q
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -28,6 +28,25 @@ from l47.errors import L47Error
 POLICIES = ("strata", "exact")
 _BF16 = int(gguf.GGMLQuantizationType.BF16)
 _Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+
+
+@dataclass
+class Numerics:
+    """How the head is evaluated and reduced in this run (the logic is l47.tail.stream). Mutable on purpose: the
+    first head pass resolves `precision` ("auto" → split-bf16 on CUDA after a check against f64, else f32) and
+    records the measured errors, which reports copy via `record()`."""
+
+    precision: str = "f32"  # requested: "f32", "split-bf16" or "auto"
+    no_f64: bool = False  # no float64 on the compute device (MPS): the vocabulary sums run on the CPU in f64
+    used: str | None = None  # the precision in use (set by the check)
+    err_f32: float | None = None  # max |logit − f64 logit| on the check rows, f32 path
+    err_split: float | None = None  # same for split-bf16
+    note: str = ""
+    _parts: dict = field(default_factory=dict, repr=False, compare=False)  # cached bf16 hi/lo of the head
+
+    def record(self) -> dict:
+        return {"precision": self.used or self.precision, "requested": self.precision, "no_f64": self.no_f64,
+                "max_logit_err_f32": self.err_f32, "max_logit_err_split_bf16": self.err_split, "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -45,13 +64,14 @@ class TailWeights:
     onorm: torch.Tensor  # [hc, n]      output_hc_norm, folded (1 + w) as stored
     odown: torch.Tensor  # [r, hc*n]    output_hc_down rows 0..r-1
     oup: torch.Tensor  # [hc*n, r]      output_hc_up
-    head: torch.Tensor  # [V, n]        output.weight
-    head_scale: torch.Tensor | None  # [V] or [] — output.scale where present, multiplies the logits
+    head: torch.Tensor  # [V, n]        output.weight with output.scale (if any) folded in: logits = head · mix
     target: str  # GGUF name of the edited tensor
     target_type: int  # its ggml type id (Q8_0 in the seed's file)
     model_sha256: str
     policy: str
     path: str
+    folded_scale: int = 0  # provenance: how many output.scale values were folded into `head` (0: none; 1 or V)
+    numerics: Numerics = field(default_factory=Numerics, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -150,24 +170,32 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
     head = runtime_tensor(g, names.OUTPUT.gguf, policy, device)  # [V, n]
     if head.ndim != 2 or head.shape[1] != n:
         raise L47Error(g.path, f"tensor {names.OUTPUT.gguf}", f"shape (V, {n})", str(tuple(head.shape)))
-    scale = None
-    if names.OUTPUT_SCALE.gguf in g.tensors:
-        scale = runtime_tensor(g, names.OUTPUT_SCALE.gguf, "exact", device).reshape(-1)
-        if scale.numel() not in (1, head.shape[0]):
-            raise L47Error(g.path, f"tensor {names.OUTPUT_SCALE.gguf}", f"1 or {head.shape[0]} values",
-                           str(scale.numel()))
+    head, folded = fold_output_scale(g, head, device)
     eps = float(_hparam(g, names.K_RMS_EPS, 1e-6))
     for nm, t in ((t_name, W_sd), (names.OUTPUT_HC_UP.gguf, up), (names.OUTPUT_HC_DOWN.gguf, down),
-                  (names.OUTPUT_HC_NORM.gguf, onorm), (names.OUTPUT.gguf, head), (names.OUTPUT_SCALE.gguf, scale)):
+                  (names.OUTPUT_HC_NORM.gguf, onorm), (names.OUTPUT.gguf, head)):  # head: output.scale folded in
         if t is not None:
             check_finite(t, g.path, nm)  # a NaN is never printed as a result
     if not math.isfinite(eps) or eps < 0:
         raise L47Error(g.path, f"metadata {names.key(names.K_RMS_EPS)}", "a finite value >= 0", repr(eps))
     return TailWeights(
         layer=L, n=n, f=f, hc=hc, r=r, V=head.shape[0], eps=eps, W_sd=W_sd, onorm=onorm, odown=down, oup=up,
-        head=head, head_scale=scale, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
-        policy=policy, path=str(g.path),
+        head=head, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
+        policy=policy, path=str(g.path), folded_scale=folded,
     )
+
+
+def fold_output_scale(g, head: torch.Tensor, device) -> tuple[torch.Tensor, int]:
+    """head [V, n] with `output.scale` (1 value, or one per vocabulary row; it multiplies the logits) folded in:
+    z_v = s_v·(W_out[v]·mix) = (s_v·W_out[v])·mix, so every consumer sees one head. Returns (head, values folded).
+    f32 (one rounding per weight: |Δz| ≤ ~1 ulp of the logit)."""
+    if names.OUTPUT_SCALE.gguf not in g.tensors:
+        return head, 0
+    scale = runtime_tensor(g, names.OUTPUT_SCALE.gguf, "exact", device).reshape(-1)  # [V] or [1]
+    if scale.numel() not in (1, head.shape[0]):
+        raise L47Error(g.path, f"tensor {names.OUTPUT_SCALE.gguf}", f"1 or {head.shape[0]} values",
+                       str(scale.numel()))
+    return head * scale[:, None], int(scale.numel())  # [V, n]
 
 
 def check_dump_dims(w: TailWeights, meta, where: str) -> None:
