@@ -20,6 +20,15 @@ from rich.table import Table
 
 from l47.errors import L47Error
 
+PRECISION_HELP = ("head GEMM: f32 | split-bf16 (default: split-bf16 on CUDA after a per-run check against f64, "
+                  "falling back to f32 if its error exceeds 2x the f32 path's; f32 elsewhere)")
+
+
+def set_head_precision(precision):
+    from l47.model.weights import set_head_precision as set_
+
+    set_(precision)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact, audited edits of the last layer's shared-expert down projection of qwen4exp models.")
 console = Console()
@@ -158,8 +167,10 @@ def score(
                                           "(default $L47_LEDGER)"),
     allow_other_model: bool = typer.Option(False, help="score dumps made from another model"),
     force: bool = _force_opt(),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
+    set_head_precision(precision)
     from rich.progress import Progress
 
     from l47.app.paths import check_score
@@ -268,9 +279,11 @@ def sets(
     strict: bool = typer.Option(False, help="warnings are failures (exit 1)"),
     force: bool = _force_opt(),
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals
     (--json - : the report as JSON on stdout, nothing else)."""
+    set_head_precision(precision)
     from l47.app.paths import check_sets
     from l47.app.sets_view import run_sets
     from l47.app.tables import FittedConsole, json_to_stdout
@@ -297,8 +310,10 @@ def solve(
     strict: bool = typer.Option(False, help="the solver's warnings are failures (exit 1)"),
     force: bool = _force_opt(),
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
+    set_head_precision(precision)
     from l47.app.paths import check_solve
     from l47.app.tables import json_to_stdout
     from l47.fileio import write_text_atomic
@@ -368,9 +383,11 @@ def audit(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (- : to stdout)"),
     force: bool = _force_opt(),
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
     if every bar passes."""
+    set_head_precision(precision)
     from l47.app.audit_view import audit_and_print
     from l47.app.tables import FittedConsole, json_to_stdout
     from l47.app.paths import check_audit

@@ -30,6 +30,9 @@ _BF16 = int(gguf.GGMLQuantizationType.BF16)
 _Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
 
 
+PRECISIONS = ("f32", "split-bf16")  # head GEMM precisions (l47.tail.stream.head_logits)
+
+
 @dataclass
 class Numerics:
     """How the head is evaluated and reduced in this run (the logic is l47.tail.stream). Mutable on purpose: the
@@ -128,19 +131,33 @@ def _hparam(g, suffix: str, default=None):
     raise L47Error(g.path, f"metadata key {k}", "present", "missing")
 
 
-def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | None = None) -> TailWeights:
+_RUN_PRECISION = {"precision": "auto"}  # the process's head precision (the CLI's --precision); "auto" by default
+
+
+def set_head_precision(precision: str | None) -> None:
+    """Set the head precision every later `load_tail_weights` of this process uses: "f32", "split-bf16" or
+    None / "auto" (split-bf16 on CUDA after the per-run check against f64, f32 elsewhere). The CLI's --precision."""
+    p = precision or "auto"
+    if p not in PRECISIONS + ("auto",):
+        raise L47Error("--precision", "precision", "f32 or split-bf16", repr(precision))
+    _RUN_PRECISION["precision"] = p
+
+
+def numerics_for(device, precision: str | None = None) -> Numerics:
+    """The run's Numerics on `device`: MPS has no float64, so its vocabulary sums run on the CPU in f64."""
+    return Numerics(precision=precision or _RUN_PRECISION["precision"], no_f64=str(device).startswith("mps"))
+
+
+def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | None = None,
+                      precision: str | None = None) -> TailWeights:
     """Read the tail tensors of GGUF `model` (path or open GGUFFile) under a runtime weight policy.
 
     The layer is the model's last (`block_count - 1`); any other is refused: only the last layer's FFN write
     is followed by nothing but the output mixer and the head (seed §3.1), so only there is the forward exact.
+    `precision` of the head GEMM: None = the process's (`set_head_precision`).
     """
     from l47.model.gguf_io import open_gguf
 
-    if str(device).startswith("mps"):
-        # every vocabulary reduction and the WFLD algebra run in float64, which MPS lacks; a CPU-reduction path
-        # for the Mac is not written yet
-        raise L47Error("--device", "device", "cpu or cuda (MPS has no float64; run the tail forward on the CPU)",
-                       str(device))
     g = open_gguf(model) if isinstance(model, (str, Path)) else model
     n_layers = int(_hparam(g, names.K_BLOCK_COUNT))
     last = n_layers - 1
@@ -181,7 +198,7 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
     return TailWeights(
         layer=L, n=n, f=f, hc=hc, r=r, V=head.shape[0], eps=eps, W_sd=W_sd, onorm=onorm, odown=down, oup=up,
         head=head, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
-        policy=policy, path=str(g.path), folded_scale=folded,
+        policy=policy, path=str(g.path), folded_scale=folded, numerics=numerics_for(device, precision),
     )
 
 

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from l47.model.weights import Numerics
+from l47.model.weights import PRECISIONS, Numerics
 
 DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries stay small
-PRECISIONS = ("f32", "split-bf16")
 CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check
 SPLIT_MAX_RATIO = 2.0  # split-bf16 is kept only if its max |logit error| ≤ 2× the f32 path's on the check rows
 
