@@ -67,10 +67,11 @@ def _head_parts(head: torch.Tensor, num: Numerics):
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor, lo: int, hi: int, num: Numerics | None = None,
-                x_parts=None) -> torch.Tensor:
-    """Logits of vocabulary rows lo..hi-1: x [R, n] · head[lo:hi]ᵀ -> [R, C] f32, in the run's precision."""
+                x_parts=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of vocabulary rows lo..hi-1: x [R, n] · head[lo:hi]ᵀ -> [R, C] f32, in the run's precision
+    (written into `out` [R, C] when given)."""
     if num is None or (num.used or num.precision) != "split-bf16":
-        return x @ head[lo:hi].T  # [R, C]
+        return torch.mm(x, head[lo:hi].T, out=out)  # [R, C]
     hh, hl = _head_parts(head, num)
     xh, xl = x_parts if x_parts is not None else split_bf16(x)
     z = _mm_f32(xh, hh[lo:hi])  # [R, C] hi·hi
@@ -154,6 +155,7 @@ class VocabAccumulator:
         self.k, self.P = topk, pairs
         self.top_v = torch.full((R, topk), -math.inf, dtype=dtype, device=device)  # logits' dtype
         self.top_i = torch.zeros((R, topk), dtype=torch.long, device=device)
+        self._bufs: dict[str, torch.Tensor] = {}
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         """Row sums of x [R, C] as f64 on the accumulators' device (f32 partials when the device has no f64)."""
@@ -164,19 +166,28 @@ class VocabAccumulator:
     def _f64(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.rdev, torch.float64)
 
+    def _buf(self, name: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """A reused [rows, C] scratch tensor (fresh multi-MB allocations cost page faults on the CPU)."""
+        n = rows * like.shape[1]
+        b = self._bufs.get(name)
+        if b is None or b.numel() < n or b.dtype != like.dtype or b.device != like.device:
+            b = self._bufs[name] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return b[:n].view(rows, like.shape[1])
+
     def update(self, z: torch.Tensor, lo: int, head_rows: torch.Tensor | None = None) -> None:
         """Fold chunk logits z [R, C] (vocabulary ids lo..lo+C-1) in; head_rows [C, n] is needed for μ."""
         cm, ci = z.max(1)  # [R] chunk max and its FIRST index (lowest id on ties)
         m_new = torch.maximum(self.m, self._f64(cm))
         alpha = torch.exp(self.m - m_new)  # [R] rescale of earlier sums (exp(−inf) = 0 on the first chunk)
-        e = torch.exp(z - m_new.to(z.device, z.dtype)[:, None])  # [R, C] f32
+        e = torch.sub(z, m_new.to(z.device, z.dtype)[:, None], out=self._buf("e", z, z.shape[0])).exp_()  # [R, C]
         self.s = self.s * alpha + self._sum(e)
         if self.sz is not None:
             self.sz = self.sz * alpha + self._f64(_rowdot(e, z))  # Σ e·z without a [R, C] temporary
         if self.A is not None:
             P = self.P
             # the logit difference first (splitting it into Σe·zb − Σe·zn cancels catastrophically in f32)
-            self.A = self.A * alpha[:P] + self._sum(e[:P] * (z[:P] - z[P:]))
+            d = torch.sub(z[:P], z[P:], out=self._buf("d", z, P)).mul_(e[:P])  # [P, C] e_b·(z_b − z_n)
+            self.A = self.A * alpha[:P] + self._sum(d)
         if self.mu is not None:
             self.mu = self.mu * alpha[:, None] + self._f64(e @ head_rows)  # [R, n]
         self.m = m_new
@@ -241,9 +252,11 @@ def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = No
         acc = VocabAccumulator(mix.shape[0], mix.device, topk=topk, entropy=entropy, pairs=pairs,
                                mu_dim=head.shape[1] if mu else 0, no_f64=num.no_f64, dtype=mix.dtype)
         V = head.shape[0]
+        zbuf = torch.empty(mix.shape[0] * min(chunk, V), dtype=mix.dtype, device=mix.device)
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
-            acc.update(head_logits(mix, head, lo, hi, num, x_parts), lo, head[lo:hi] if mu else None)
+            out = zbuf[: mix.shape[0] * (hi - lo)].view(mix.shape[0], hi - lo)  # reused [R, C]
+            acc.update(head_logits(mix, head, lo, hi, num, x_parts, out), lo, head[lo:hi] if mu else None)
         return acc.result()
 
 
