@@ -241,8 +241,8 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
         if k not in bundle_g.kv:
             (omitted if form == "overlay" else changed_kv).append(f"{k}: removed" if form == "full" else k)
     # ΔW of the runtime weights (what the forward uses), f64
-    W0 = w.W_sd.double()
-    dW = W_new.double() - W0
+    W0 = w.W_sd.cpu().double()  # on the CPU: MPS has no float64
+    dW = W_new.cpu().double() - W0
     dw_fro = float(dW.norm())
     dw_rel = dw_fro / float(W0.norm())
     blocks = None
@@ -464,7 +464,7 @@ def _engine_figures(args, w, by_sha: dict[str, DocResult], doc_paths: dict[str, 
                 mix = mix_of_dump(b, w)  # [T, n]
                 floor = []
                 for r0 in range(0, b.T, 64):
-                    z = head_chunk(mix[r0:r0 + 64], w, 0, w.V).double().cpu().numpy()  # [t, V]
+                    z = head_chunk(mix[r0:r0 + 64], w, 0, w.V).cpu().double().numpy()  # [t, V]
                     floor.append(_kl_rows(np.asarray(b.ref_logits[r0:r0 + 64]), z))
             a = acc.setdefault(d.set, {"kld": [], "floor": [], "tail": []})
             a["kld"].append(kl_e)
@@ -876,6 +876,7 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
         "documents": [{"path": d.path, "sha256": d.sha256, "set": d.set, "doc_id": d.doc_id, "T": d.T,
                        "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in ctx.docs],
         "ledger": str(ctx.ledgers[0]), "policy": args.policy, "device": args.device, "vocab": ctx.vocab.name,
+        "numerics": ctx.w.numerics.record(),  # head precision used and its measured logit error (l47.tail.stream)
     }
     report = clean({
         "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": ctx.mode, "passed": passed,

@@ -377,7 +377,8 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
     record = rec.SolveRecord(method=plan.cfg.method, toolkit_version=l47.__version__, seed=plan.cfg.seed,
                              base_sha256=base_sha, bundle_sha256=bundle_sha, target=plan.w.target,
                              config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
-                             claims=claims, notes=list(warnings) + plan.dumps.other_model_notes)
+                             claims=claims, notes=list(warnings) + plan.dumps.other_model_notes,
+                             numerics=plan.w.numerics.record())
     path = rec.record_path_for(plan.out)
     write_text_atomic(path, record.to_json())
     append_ledger(plan.args.ledger or plan.out.parent / "ledger.jsonl", _ledger_entries(plan, sel, bundle_sha),

@@ -230,3 +230,34 @@ def test_streamed_lse_f32_matches_dense():
     from l47.tail import stream
 
     assert torch.allclose(stream.streamed_lse(mix, head, None, 100).double(), ref, atol=1e-5)
+
+
+def test_split_bf16_head_error_bound_and_check():
+    """Split-bf16 (hi·hi + hi·lo + lo·hi, f32 accumulation; emulated exactly in f32 off CUDA) against f64: each
+    operand is represented to ≤ 2⁻¹⁶ relative by hi + lo and the dropped lo·lo term is ≤ 2⁻¹⁶ of |x_i h_i|, so
+    |Δz| ≤ 2⁻¹⁴ Σ_i |x_i h_i| (with the f32 accumulation's share) — a plain bf16 GEMM (error ~2⁻⁸) breaks the bound."""
+    from l47.tail.stream import check_precision, head_logits, split_bf16
+
+    g = torch.Generator().manual_seed(13)
+    head, x = torch.randn(3000, 256, generator=g) * 0.06, torch.randn(40, 256, generator=g) * 2
+    bound = 2.0 ** -14 * (x.double().abs() @ head.double().abs().T)  # [R, V]
+    ref = x.double() @ head.double().T
+    num = Numerics(precision="split-bf16")
+    check_precision(x, head, num, chunk=1000)
+    assert num.used == "split-bf16" and 0 < num.err_f32 < num.err_split  # both measured on the check rows
+    z = head_logits(x, head, 0, 3000, num)
+    assert ((z.double() - ref).abs() <= bound).all()
+    assert float((z.double() - ref).abs().max()) == pytest.approx(num.err_split, rel=1e-6)  # CHECK_ROWS ≥ 40
+    plain = (x.bfloat16().float() @ head.bfloat16().float().T).double()
+    assert not ((plain - ref).abs() <= bound).all()
+    hi, lo = split_bf16(x)
+    assert ((hi.double() + lo.double() - x.double()).abs() <= 2.0 ** -16 * x.double().abs()).all()
+    # "auto" off CUDA is f32 without a check; the rule falls back when split's error exceeds 2x f32's
+    auto = Numerics(precision="auto")
+    check_precision(x, head, auto)
+    assert auto.used == "f32" and auto.err_split is None
+    from l47.tail.stream import decide_precision
+
+    assert decide_precision("auto", 1e-5, 2.1e-5, 64)[0] == "f32"
+    assert decide_precision("auto", 1e-5, 1.9e-5, 64) == ("split-bf16", "")
+    assert decide_precision("split-bf16", 1e-5, 9e-5, 64)[0] == "split-bf16"

@@ -109,12 +109,16 @@ def check_precision(mix: torch.Tensor, head: torch.Tensor, num: Numerics, chunk:
         esp = max(esp, float((zs.to(ref.device, ref.dtype) - ref).abs().max()))
     num._parts = split_num._parts
     num.err_f32, num.err_split = e32, esp
-    if want == "auto" and esp > SPLIT_MAX_RATIO * e32:
-        num.used = "f32"
-        num.note = (f"split-bf16 max |logit error| {esp:.3g} > {SPLIT_MAX_RATIO:g}× the f32 path's {e32:.3g} on "
-                    f"{len(rows)} positions: fell back to f32")
-    else:
-        num.used = "split-bf16"
+    num.used, num.note = decide_precision(want, e32, esp, len(rows))
+
+
+def decide_precision(want: str, err_f32: float, err_split: float, rows: int) -> tuple[str, str]:
+    """The per-run rule: "auto" keeps split-bf16 only if its max |logit error| ≤ SPLIT_MAX_RATIO × the f32 path's
+    (both against f64 on the same `rows` positions); an explicit request is honoured (its error is recorded)."""
+    if want == "auto" and err_split > SPLIT_MAX_RATIO * err_f32:
+        return "f32", (f"split-bf16 max |logit error| {err_split:.3g} > {SPLIT_MAX_RATIO:g}x the f32 path's "
+                       f"{err_f32:.3g} on {rows} positions: fell back to f32")
+    return "split-bf16", ""
 
 
 def _f64_logits(x: torch.Tensor, rows: torch.Tensor, no_f64: bool) -> torch.Tensor:
