@@ -237,6 +237,15 @@ def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress)
     cfg, w = plan.cfg, plan.w
     torch.manual_seed(cfg.seed)
     if cfg.method == "wfld":
+        if w.numerics.no_f64:  # WFLD's algebra is float64: on the CPU when the device has none (MPS)
+            from l47.model.weights import weights_to
+            from l47.solvers.batch import batch_to
+
+            t = prob.terms
+            res = solve_wfld(weights_to(w, "cpu"), batch_to(prob.events, "cpu"), EventTerms(
+                t.rejected.cpu(), t.chosen.cpu(), t.special.cpu(), t.scale.cpu()), batch_to(prob.background, "cpu"),
+                batch_to(prob.anchors, "cpu"), cfg.wfld, log=log)
+            return Solved(res.dW.to(w.device), res.summary(), res.predicted_bg_kl)
         res = solve_wfld(w, prob.events, prob.terms, prob.background, prob.anchors, cfg.wfld, log=log)
         return Solved(res.dW, res.summary(), res.predicted_bg_kl)
     dev = (prob.dev, torch.as_tensor([e.final for e in sel.dev])) if prob.dev is not None else None

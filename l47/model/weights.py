@@ -215,6 +215,16 @@ def fold_output_scale(g, head: torch.Tensor, device) -> tuple[torch.Tensor, int]
     return head * scale[:, None], int(scale.numel())  # [V, n]
 
 
+def weights_to(w: TailWeights, device) -> TailWeights:
+    """The same weights on another device (e.g. the CPU for f64 solver algebra when the device has no float64),
+    with that device's Numerics and the same requested precision."""
+    import dataclasses
+
+    moved = {f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    return dataclasses.replace(w, **moved, numerics=numerics_for(device, w.numerics.precision))
+
+
 def check_dump_dims(w: TailWeights, meta, where: str) -> None:
     """Refuse a dump whose dims or layer do not match the model."""
     problems = []
