@@ -37,7 +37,7 @@ import torch
 
 from l47.errors import L47Error
 from l47.model.weights import TailWeights
-from l47.tail.forward import logits_at
+from l47.tail.forward import logits_at, streamed_kl
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.fisher import fisher_factors, mu_lse
 
@@ -53,6 +53,10 @@ class WfldConfig:
     ridge: float = 1e-2  # ρ relative to mean(γ)·mean(α)
     bg_weight: float = 1.0  # β
     fisher_topk: int = 32
+    fisher_tail_samples: int = 32  # per position: sampled Fisher of the mass outside the top-K (solvers/fisher.py)
+    refresh_fisher: bool = True  # re-measure the K-FAC curvature at every Gauss–Newton point
+    kl_retries: int = 3  # re-solve a step (curvature re-calibrated) while exact/predicted KL is outside [½, 2]
+    kl_floor: float = 1e-6  # nats: below this both figures are noise, no calibration
     gn_iters: int = 20
     gn_tol: float = 1e-3  # nats: |exact − linear prediction| of every constraint
     anchor_tol: float = 1e-6  # relative singular-value cut for the anchors' span
@@ -72,8 +76,11 @@ class WfldResult:
     worst_rows: list[dict]  # the most violated constraints at the end (event index, kind, value, bound)
     anchor_rank: int
     null_dim: int
-    predicted_bg_kl: float  # ½ tr(ΔWᵀ G ΔW A) — the K-FAC prediction of mean background KL
+    predicted_bg_kl: float  # the KL model's prediction at the returned step (made before the exact forward)
+    exact_bg_kl: float  # the exact streamed mean background KL at the returned ΔW (float, before re-quantisation)
     fisher_tail_mass: float
+    stop_reason: str = ""  # converged | iteration cap
+    tolerance: float = 0.0  # nats: what `violation` is judged against
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -181,9 +188,22 @@ def _nnls_dual(K: torch.Tensor, b: np.ndarray) -> np.ndarray:
     return mu
 
 
+def background_kl(bg: Batch, w: TailWeights, W0: torch.Tensor, dW: torch.Tensor, mix0: torch.Tensor,
+                  grad: bool = True) -> tuple[float, torch.Tensor | None]:
+    """Exact mean background KL(base ‖ edited) over the batch (streamed, full vocabulary) and, if asked, its
+    gradient with respect to ΔW [n, f] f64. Precision: f32 forward, f64 vocabulary sums; mean in f64."""
+    if not grad:
+        with torch.no_grad():
+            return float(streamed_kl(batch_mix(bg, w, W_sd=W0, dW=dW), mix0, w).double().mean()), None
+    d = dW.detach().clone().requires_grad_(True)
+    kl = streamed_kl(batch_mix(bg, w, W_sd=W0, dW=d), mix0, w).double().mean()
+    (g,) = torch.autograd.grad(kl, d)
+    return float(kl.detach()), g.double()
+
+
 def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Batch, anchors: Batch | None,
                cfg: WfldConfig = WfldConfig(), log=None) -> WfldResult:
-    """Minimise ½ρ‖ΔW‖² + ½β tr(ΔWᵀGΔWA) s.t. the FTPO margin, δ_cho and special-token constraints at the events
+    """Minimise ½ρ‖ΔW‖² + β KL_bg(ΔW) s.t. the FTPO margin, δ_cho and special-token constraints at the events
     and ΔW·hh = 0 at the anchors (see the module docstring)."""
     dev = w.device
     warnings: list[str] = []
@@ -203,17 +223,17 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         raise L47Error("solve", "events", "at least one event whose key is not inside the protected anchors' span",
                        f"all {events.P} events ≥ {cfg.max_removed:.0%} inside it (infeasible)")
     W0 = w.W_sd
-    ff = fisher_factors(background, w, W0, K=cfg.fisher_topk, row_basis=B)
-    gam, UG = torch.linalg.eigh(ff.G)
-    alp, UA = torch.linalg.eigh(ff.A)
-    gam, alp = gam.clamp_min(0), alp.clamp_min(0)
-    rho = cfg.ridge * float(gam.mean() * alp.mean()) or cfg.ridge
-    D = 1.0 / (rho + cfg.bg_weight * gam[:, None] * alp[None, :])  # [n, f']
-    Hh = (he @ B) @ UA  # [E, f'] event keys in the A-eigenbasis
+    with torch.no_grad():
+        mix0_bg = batch_mix(background, w)  # [P, n] base mixer output of the background (KL reference)
     base = _base_logps(events, terms, w)
-    Y = torch.zeros(w.n, null_dim, dtype=torch.float64, device=dev)
+    Y = torch.zeros(w.n, null_dim, dtype=torch.float64, device=dev)  # ΔW = Y Bᵀ
     dW = torch.zeros(w.n, w.f, dtype=torch.float32, device=dev)
+    kl_k, gkl = 0.0, torch.zeros(w.n, w.f, dtype=torch.float64, device=dev)  # exact KL and ∂KL/∂ΔW at ΔW_k
+    curv = 1.0  # c: calibration of the K-FAC curvature against the exact KL (1 = K-FAC as measured)
     iters, pred, residual, keep, cached = [], None, float("nan"), None, None
+    kl_pred_acc = float("nan")
+    ff = None
+    stop = "iteration cap"
     for it in range(cfg.gn_iters + 1):
         # the accepted trial's evaluation from the last step is this step's linearisation point: not redone
         c = cached if cached is not None else _constraints(events, terms, w, W0 + dW, base, cfg, active)
@@ -223,42 +243,87 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         violation = float(np.clip(excess, 0, None).max())
         worst = [dict(event=int(evr[i]), kind=kinds[i], value=float(vals[i]), bound=float(bounds[i]))
                  for i in np.argsort(-excess)[:5] if excess[i] > cfg.gn_tol]
-        iters.append(dict(iter=it, residual=residual, violation=violation, rows=len(vals)))
+        iters.append(dict(iter=it, residual=residual, violation=violation, rows=len(vals), kl_exact=kl_k,
+                          kl_predicted=kl_pred_acc, curvature_scale=curv))
         if keep is None or violation < keep[0] - 1e-12:  # the best exact iterate is the one returned
-            keep = (violation, residual, dW, worst)
+            keep = (violation, residual, dW, worst, kl_k, kl_pred_acc)
         if log:
             log(f"WFLD GN step {it}: {len(vals)} constraints, max violation {violation:.4g} nats, "
-                f"linear-prediction residual {residual:.3g}")
-        if it == cfg.gn_iters or (pred is not None and residual < cfg.gn_tol and violation < cfg.gn_tol):
+                f"linear-prediction residual {residual:.3g}, background KL exact {kl_k:.3g} "
+                f"(predicted {kl_pred_acc:.3g})")
+        if pred is not None and residual < cfg.gn_tol and violation < cfg.gn_tol:
+            stop = "converged"
             break
-        Gh = grads @ UG  # [m, n] gradients in the G-eigenbasis
+        if it == cfg.gn_iters:
+            break
+        # ---- the quadratic model of the background KL at ΔW_k: exact value and gradient, K-FAC curvature
+        # (A ⊗ G, G with its sampled tail) re-measured at W0 + ΔW_k, scaled by the calibration c
+        if ff is None or cfg.refresh_fisher:
+            ff = fisher_factors(background, w, W0 + dW, K=cfg.fisher_topk, row_basis=B,
+                                tail_samples_n=cfg.fisher_tail_samples, seed=it)
+            gam, UG = torch.linalg.eigh(ff.G)
+            alp, UA = torch.linalg.eigh(ff.A)
+            gam, alp = gam.clamp_min(0), alp.clamp_min(0)
+            if it == 0:
+                rho = cfg.ridge * float(gam.mean() * alp.mean()) or cfg.ridge
+            Hh = (he @ B) @ UA  # [E, f'] event keys in the A-eigenbasis
+        Gh = grads @ UG  # [m, n] constraint gradients in the G-eigenbasis
         Hrow = Hh[torch.as_tensor(evr, device=dev)]  # [m, f']
-        cur = (Gh * ((UG.T @ Y @ UA) @ Hrow.T).T).sum(1).cpu().numpy()  # ⟨A_i, ΔW_k⟩
+        Yk_hat = UG.T @ Y @ UA  # [n, f'] current ΔW in the eigenbases
+        g_hat = UG.T @ (gkl @ B) @ UA  # [n, f'] ∂KL/∂Y in the eigenbases
         step_b = np.maximum(bounds, vals - cfg.max_step)  # continuation: move each target ≤ max_step per step
-        b_lin = step_b - vals + cur
-        K = _dual_gram(Gh, Hh, D, evr)
-        mu = _nnls_dual(K, b_lin)
-        mu_t = torch.as_tensor(mu, dtype=torch.float64, device=dev)
-        Yhat = -D * (Gh.T @ (mu_t[:, None] * Hrow))  # [n, f']
-        Y_new = UG @ Yhat @ UA.T
-        new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()
-        # damped step (backtracking on the exact forward): far from the linearisation point the log-probs of
-        # small-probability tokens move non-linearly, and a full step can overshoot
-        best = None
-        for alpha in cfg.step_sizes:
-            Y_try = Y + alpha * (Y_new - Y)
-            dW_try = (Y_try @ B.T).to(torch.float32)  # [n, f]
-            c_try = _constraints(events, terms, w, W0 + dW_try, base, cfg, active)
-            score = float(np.clip(c_try[0] - np.maximum(bounds, vals - cfg.max_step), 0, None).max())
-            if best is None or score < best[0] - 1e-9:
-                best = (score, alpha, Y_try, dW_try, c_try)
-            if score <= cfg.gn_tol:
+        for attempt in range(cfg.kl_retries + 1):
+            D = 1.0 / (rho + cfg.bg_weight * curv * gam[:, None] * alp[None, :])  # [n, f']
+            # min_δ ½ρ‖Y_k + δ‖² + β(⟨g, δ⟩ + ½c δᵀHδ)  s.t.  C δ ≤ step_b − vals: δ = δ0 − M⁻¹Cᵀμ
+            d0 = -D * (rho * Yk_hat + cfg.bg_weight * g_hat)  # [n, f']
+            c0 = (Gh * (d0 @ Hrow.T).T).sum(1).cpu().numpy()  # [m] C δ0
+            K = _dual_gram(Gh, Hh, D, evr)
+            mu = _nnls_dual(K, step_b - vals - c0)
+            mu_t = torch.as_tensor(mu, dtype=torch.float64, device=dev)
+            dhat = d0 - D * (Gh.T @ (mu_t[:, None] * Hrow))  # [n, f']
+            lin = (Gh * (dhat @ Hrow.T).T).sum(1).cpu().numpy()  # [m] linear change of each constraint
+            g_lin = float((g_hat * dhat).sum())  # ⟨∇KL, δ⟩
+            q = float((gam[:, None] * alp[None, :] * dhat.pow(2)).sum())  # δᵀ(A ⊗ G)δ
+            dY = UG @ dhat @ UA.T  # [n, f']
+            # damped step (backtracking on the exact forward): far from the linearisation point the log-probs of
+            # small-probability tokens move non-linearly, and a full step can overshoot
+            best = None
+            for alpha in cfg.step_sizes:
+                Y_try = Y + alpha * dY
+                dW_try = (Y_try @ B.T).to(torch.float32)  # [n, f]
+                c_try = _constraints(events, terms, w, W0 + dW_try, base, cfg, active)
+                score = float(np.clip(c_try[0] - step_b, 0, None).max())
+                if best is None or score < best[0] - 1e-9:
+                    best = (score, alpha, Y_try, dW_try, c_try)
+                if score <= cfg.gn_tol:
+                    break
+            _, alpha, Y_try, dW_try, c_try = best
+            kl_try, g_try = background_kl(background, w, W0, dW_try, mix0_bg)
+            kl_pred = max(kl_k + alpha * g_lin + 0.5 * curv * alpha ** 2 * q, 0.0)
+            ratio = kl_try / kl_pred if kl_pred > 0 else float("inf")
+            honest = 0.5 <= ratio <= 2.0 or max(kl_try, kl_pred) < cfg.kl_floor
+            # the curvature scale the exact value implies along this step (the K-FAC factorisation and the
+            # non-quadratic part of the KL are what it absorbs); bounded per update
+            implied = 2.0 * (kl_try - kl_k - alpha * g_lin) / max(alpha ** 2 * q, 1e-300)
+            new_curv = float(np.clip(implied, curv / 10, curv * 10)) if implied > 0 else curv
+            if log and not honest:
+                log(f"WFLD GN step {it}: background KL exact {kl_try:.3g} vs predicted {kl_pred:.3g} (×{ratio:.2g}): "
+                    f"curvature scale {curv:.3g} -> {new_curv:.3g}, step re-solved")
+            iters[-1].setdefault("kl_attempts", []).append(dict(kl_exact=kl_try, kl_predicted=kl_pred,
+                                                              curvature_scale=curv, step=alpha))
+            curv_used = curv
+            curv = new_curv if np.isfinite(new_curv) and new_curv > 0 else curv
+            if honest:
                 break
-        _, alpha, Y, dW, cached = best
-        pred = vals + alpha * (new_lin - cur)
-    violation, residual, dW, worst = keep
-    Bk = dW.double() @ B  # ΔW in reduced coordinates
-    pred_kl = 0.5 * float(torch.trace(Bk.T @ ff.G @ Bk @ ff.A))
+        Y, dW, cached = Y_try, dW_try, c_try
+        kl_k, gkl, kl_pred_acc = kl_try, g_try, kl_pred
+        pred = vals + alpha * lin
+        del curv_used
+    violation, residual, dW, worst, kl_exact, kl_pred_acc = keep
+    if violation > cfg.gn_tol and stop == "converged":
+        stop = "iteration cap"
     return WfldResult(dW=dW, iterations=iters, residual=residual, violation=violation, removed=removed,
-                      infeasible_events=infeasible, worst_rows=worst, anchor_rank=rank, null_dim=null_dim, predicted_bg_kl=pred_kl,
-                      fisher_tail_mass=ff.tail_mass, warnings=warnings)
+                      infeasible_events=infeasible, worst_rows=worst, anchor_rank=rank, null_dim=null_dim,
+                      predicted_bg_kl=kl_pred_acc, exact_bg_kl=kl_exact,
+                      fisher_tail_mass=ff.tail_mass if ff is not None else 0.0, stop_reason=stop,
+                      tolerance=cfg.gn_tol, warnings=warnings)
