@@ -145,7 +145,7 @@ def feasibility(w: TailWeights, phrases: list[str], counts: dict[str, dict], p_b
             joint = 0.5 * float(mu @ Kmu)
             contrib = np.zeros(ev.P)
             contrib[act] = 0.5 * mu * Kmu
-            bad_fit = float(np.max(Kmu - d_need[act], initial=-np.inf))  # > 0: a target the dual did not meet
+            bad_fit = float(np.max(d_need[act] - Kmu, initial=-np.inf))  # > 0: a target the dual did not meet
             if bad_fit > 1e-3 * max(1.0, float(d_need.max(initial=0))):
                 notes.append(f"the linearised targets are not all reachable even without a budget (short by "
                              f"{bad_fit:.3g} nats): a direction is missing from the null space")

@@ -331,6 +331,49 @@ def solve(
 
 @app.command()
 @guarded
+def plan(
+    experiment: Path = typer.Argument(..., help="experiment TOML"),
+    model: Optional[Path] = typer.Option(None, "--model"),
+    sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the plan as JSON here"),
+    device: str = typer.Option("cpu"),
+):
+    """Feasibility before solving: per phrase events, base p, needed vs reachable log-odds within the KL budget,
+    share inside the protected span, binding constraint; anchors' rank vs f. Exit 1 if a phrase cannot reach
+    its target."""
+    import json
+
+    from l47.fileio import write_text_atomic
+    from l47.solvers.solve import SolveArgs, run_plan
+
+    fp, choice = run_plan(SolveArgs(experiment, "wfld", Path("/nonexistent/plan-only.gguf"), model, False, device,
+                                    None, sets_json), log=lambda m: console.print(m, highlight=False))
+    t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats")
+    for c in ("phrase", "train", "dev", "heldout", "base p", "needed", "reachable", "resid.", "in span", "binding"):
+        t.add_column(c, justify="left" if c in ("phrase", "binding") else "right")
+    for p in fp.phrases:
+        t.add_row(p.phrase, str(p.events.get("train", 0)), str(p.events.get("dev", 0)),
+                  str(p.events.get("heldout", 0)), _fmt(p.p_base, ".3f"), _fmt(p.needed_gap, ".2f"),
+                  _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.span_share_mean, ".0%"),
+                  p.binding)
+    console.print(t)
+    console.print(f"anchors: {fp.anchors} rows ({fp.turn_ends} turn ends), rank {fp.anchor_rank} of f = {fp.f}"
+                  + ("" if choice is None else f", budget {choice.budget}"), highlight=False)
+    for word, c in sorted(fp.words.items(), key=lambda kv: -kv[1]["unique_directions"])[:6]:
+        console.print(f"  {word!r}: {c['anchors']} anchors, rank {c['rank_alone']}, "
+                      f"{c['unique_directions']} directions only it uses", highlight=False)
+    for n in fp.notes:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+    if json_out:
+        write_text_atomic(json_out, json.dumps({"plan": fp.to_dict(),
+                                                "anchors": None if choice is None else choice.summary()},
+                                               indent=1, sort_keys=True))
+    if fp.short:
+        raise typer.Exit(1)
+
+
+@app.command()
+@guarded
 def transplant(
     overlay: Path = typer.Argument(..., help="overlay GGUF (a subset of the base's tensors)"),
     base: Path = typer.Argument(..., help="full base GGUF"),

@@ -105,6 +105,8 @@ class SolveClaims:
     background_kl_predicted: float | None = None  # the solver's own prediction of the same (WFLD: K-FAC)
     anchors: AnchorClaims | None = None
     convergence: Convergence | None = None
+    feasibility: dict | None = None  # the plan made before solving (solvers/plan.py FeasibilityPlan, as JSON)
+    anchor_choice: dict | None = None  # anchors thinned to the budget: kept, rank, budget (solvers/anchors.py)
     method: dict = field(default_factory=dict)  # the solver's own diagnostics (free form, never re-derived)
 
     def flat(self) -> Iterator[tuple[tuple[str, ...], object]]:
