@@ -9,8 +9,9 @@ The linearised problem (ΔW = Y Bᵀ, B the anchors' null space; KL ≈ ½ tr(Δ
 solvers/fisher.py with its sampled tail, at the base): for event e with rejected r and chosen natural alternative
 c, gap_e = ℓ_r − ℓ_c changes by ⟨a_e, ΔW⟩ (a_e = g_e h_eᵀ, g_e = ∂gap/∂ys, h_e its key in the null space).
     needed     d_e = log( p (1 − p′) / (p′ (1 − p)) ),   p′ = target · p      (the log-odds a residual p′/p needs)
-    per phrase max_{½ΔWᵀMΔW ≤ budget} mean_{e ∈ phrase} (−⟨a_e, ΔW⟩) = √(2·budget·1ᵀK1) / |phrase|
-    jointly    min ½ΔWᵀMΔW s.t. ⟨a_e, ΔW⟩ ≤ −d_e for every event  (a QP, solved exactly through its dual (NNLS))
+    jointly    min ½ΔWᵀMΔW s.t. ⟨a_e, ΔW⟩ ≤ −d_e for every event  (a QP, solved exactly through its dual (NNLS));
+               its ΔW is then run through the exact forward: s = exact KL / ½ΔWᵀMΔW corrects the metric's scale
+    per phrase max_{½ s ΔWᵀMΔW ≤ budget} mean_{e ∈ phrase} (−⟨a_e, ΔW⟩) = √(2·budget·1ᵀK1 / s) / |phrase|
 K = C M⁻¹ Cᵀ is WFLD's dual Gram. A phrase that cannot reach its target is named with the binding constraint:
 `no train events`, `anchors' span` (its keys ≥ max_removed inside it), or `KL budget` (needed > reachable).
 
@@ -28,9 +29,9 @@ import torch
 
 from l47.model.weights import TailWeights
 from l47.solvers.anchors import word_null_cost
-from l47.solvers.batch import Batch, EventTerms, ys_grad_mix
+from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.fisher import fisher_factors
-from l47.solvers.wfld import _dual_gram, _nnls_dual, anchor_basis
+from l47.solvers.wfld import _dual_gram, _nnls_dual, anchor_basis, background_kl
 
 BINDING_NONE = "none"
 BINDING_EVENTS = "no train events"
@@ -65,7 +66,9 @@ class FeasibilityPlan:
     null_dim: int
     words: dict  # word -> {anchors, rank_alone, unique_directions}
     phrases: list[PhrasePlan]
-    joint_min_kl: float  # least KL (linearised) reaching every train event's needed gap; inf if none
+    joint_min_kl: float  # least KL (linearised metric) reaching every train event's needed gap; inf if none
+    joint_exact_kl: float  # the exact streamed background KL of that least-KL ΔW
+    metric_scale: float  # joint_exact_kl / joint_min_kl: the factor the reachable figures are corrected by
     fisher_tail_mass: float
     notes: list[str] = field(default_factory=list)
 
@@ -75,7 +78,8 @@ class FeasibilityPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["joint_min_kl"] = self.joint_min_kl if math.isfinite(self.joint_min_kl) else None
+        for k in ("joint_min_kl", "joint_exact_kl"):
+            d[k] = d[k] if math.isfinite(d[k]) else None
         return d
 
 
@@ -134,7 +138,7 @@ def feasibility(w: TailWeights, phrases: list[str], counts: dict[str, dict], p_b
         Gh = _gap_grads(ev, terms, w) @ UG  # [E, n]
         Hh = (ev.hh.double() @ B) @ UA  # [E, f']
         K = _dual_gram(Gh, Hh, D, np.arange(ev.P))  # [E, E]: ½KL of the min-norm step is ½ μᵀKμ
-    joint, mu = float("inf"), None
+    joint, mu, joint_exact, calib = float("inf"), None, float("nan"), 1.0
     blocked = share > max_removed
     if K is not None:
         act = np.nonzero(~blocked)[0]
@@ -145,6 +149,16 @@ def feasibility(w: TailWeights, phrases: list[str], counts: dict[str, dict], p_b
             joint = 0.5 * float(mu @ Kmu)
             contrib = np.zeros(ev.P)
             contrib[act] = 0.5 * mu * Kmu
+            # the least-KL ΔW itself, and its EXACT background KL: the linearised metric's scale along it
+            at = torch.as_tensor(act, device=dev)
+            mu_t = torch.as_tensor(mu, dtype=torch.float64, device=dev)
+            Yhat = -D * (Gh[at].T @ (mu_t[:, None] * Hh[at]))  # [n, f']
+            dW = (UG @ Yhat @ UA.T @ B.T).to(torch.float32)  # [n, f]
+            with torch.no_grad():
+                mix0 = batch_mix(background, w)
+            joint_exact = background_kl(background, w, dW, mix0)
+            if joint > 0 and joint_exact > 0:
+                calib = joint_exact / joint
             bad_fit = float(np.max(d_need[act] - Kmu, initial=-np.inf))  # > 0: a target the dual did not meet
             if bad_fit > 1e-3 * max(1.0, float(d_need.max(initial=0))):
                 notes.append(f"the linearised targets are not all reachable even without a budget (short by "
@@ -160,7 +174,8 @@ def feasibility(w: TailWeights, phrases: list[str], counts: dict[str, dict], p_b
         ok = idx[~blocked[idx]]
         if len(ok) and K is not None:
             s = float(K[np.ix_(ok, ok)].sum())
-            reach = math.sqrt(max(2.0 * kl_budget * s, 0.0)) / len(idx)  # blocked events contribute no reduction
+            # blocked events contribute no reduction; the metric scaled to the exact KL at the joint solution
+            reach = math.sqrt(max(2.0 * kl_budget * s / calib, 0.0)) / len(idx)
         else:
             reach = 0.0
         need = float(d_need[idx].mean())
@@ -175,9 +190,10 @@ def feasibility(w: TailWeights, phrases: list[str], counts: dict[str, dict], p_b
         out.append(PhrasePlan(ph, counts.get(ph, {}), pb, need, float(d_need[idx].max()),
                               float(share[idx].mean()), float(share[idx].max()), int(blocked[idx].sum()), reach,
                               resid, jshare, binding))
-    if math.isfinite(joint) and joint > kl_budget:
-        notes.append(f"reaching every phrase's target together needs ≈{joint:.3g} nats of background KL "
-                     f"(linearised) > the budget {kl_budget:.3g}")
+    if math.isfinite(joint_exact) and joint_exact > kl_budget:
+        notes.append(f"the least-KL edit reaching every phrase's linearised target has an exact background KL of "
+                     f"{joint_exact:.3g} nats > the budget {kl_budget:.3g}")
     return FeasibilityPlan(target=target, kl_budget=kl_budget, f=w.f, anchors=0 if anchors is None else anchors.P,
                            anchor_rank=rank, turn_ends=turn_ends, null_dim=B.shape[1], words=words, phrases=out,
-                           joint_min_kl=joint, fisher_tail_mass=tail, notes=notes)
+                           joint_min_kl=joint, joint_exact_kl=joint_exact, metric_scale=calib,
+                           fisher_tail_mass=tail, notes=notes)

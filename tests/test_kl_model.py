@@ -4,8 +4,9 @@ gradient vs finite differences, and predicted vs exact background KL at every Ga
 References and tolerances:
 - exact G = mean_t J_tᵀ (diag p_t − p_t p_tᵀ) W_out… built in f64 from the full Jacobian of the mixer (torch.func)
   and the full softmax of the tiny model (V = 1024): an independent route. fisher_factors with K = V must match it
-  to 1e-6 relative (f32 VJPs); top-K + S tail samples is a Monte-Carlo estimate: ≤ 15 % in Frobenius norm with
-  S = 64 (its relative standard error at this size is ~5 %); top-K alone must be measurably low (what it dropped).
+  to 1e-5 relative (f32 VJPs); top-K + S tail samples is a Monte-Carlo estimate (40 positions × 64 samples): its
+  trace within 10 % and its quadratic form along the 8 leading directions of G within 15 % (relative standard
+  error of such a mean over 2,560 samples ~2–5 %), closer to G than top-K alone, whose trace misses > half.
 - the solver's KL model: every accepted step's prediction within [½, 2] of the exact streamed KL (the issue's
   target), and the calibration rule re-solves a step when it is not.
 """
@@ -65,9 +66,15 @@ def test_fisher_tail_estimator_matches_exact_fisher(tiny):
     top = fisher_factors(b, w, w.W_sd, K=4, tail_samples_n=0)
     est = fisher_factors(b, w, w.W_sd, K=4, tail_samples_n=64).G
     assert top.tail_mass > 0.3  # the tiny model's head is flat: most of the mass is outside the top 4
-    err_top = float((top.G - G).norm() / G.norm())
-    err_est = float((est - G).norm() / G.norm())
-    assert err_top > 0.3 and err_est < 0.15, (err_top, err_est)
+    tr = float(torch.trace(G))
+    r_top, r_est = float(torch.trace(top.G)) / tr, float(torch.trace(est)) / tr
+    assert r_top < 0.5 and abs(r_est - 1) < 0.1, (r_top, r_est)  # the tail is most of the Fisher; sampled back
+    # the quadratic forms the solver uses, along the dominant directions of the exact G
+    _, U = torch.linalg.eigh(G)
+    V = U[:, -8:]
+    q, q_est = torch.diag(V.T @ G @ V), torch.diag(V.T @ est @ V)
+    assert float(((q_est - q).abs() / q).max()) < 0.15
+    assert float((est - G).norm()) < float((top.G - G).norm())
 
 
 def test_wfld_predicted_background_kl_within_2x_at_every_step(tiny):

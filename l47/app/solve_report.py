@@ -62,7 +62,7 @@ def print_solve(res, console: Console) -> None:
     console.print(t)
     line = f"background KL (exact) {c.background_kl_exact:.5f}"
     if c.background_kl_predicted is not None:
-        line += f", K-FAC prediction {c.background_kl_predicted:.5f}"
+        line += f", solver prediction {c.background_kl_predicted:.5f}"
     console.print(line + f"; ||dW||/||W|| = {c.dW_rel_norm:.4f} ({c.blocks_changed} Q8_0 blocks changed)",
                   highlight=False)
     if c.anchors is not None:

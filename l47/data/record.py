@@ -102,7 +102,7 @@ class SolveClaims:
     train_p_rejected: PRejected | None = None  # at the record's slop positions
     dev_p_rejected: PRejected | None = None  # at the dev events
     background_kl_exact: float | None = None  # mean KL(base ‖ bundle) at the record's background positions
-    background_kl_predicted: float | None = None  # the solver's own prediction of the same (WFLD: K-FAC)
+    background_kl_predicted: float | None = None  # the solver's own prediction of the same (WFLD: its KL model)
     anchors: AnchorClaims | None = None
     convergence: Convergence | None = None
     feasibility: dict | None = None  # the plan made before solving (solvers/plan.py FeasibilityPlan, as JSON)
