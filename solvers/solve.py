@@ -121,8 +121,8 @@ def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveC
                                    "a share of the shared-expert width f in (0, 1] (1 = all of f)"),
                 target_residual=num("target_residual", 0.2, lambda x: 0 < x < 1,
                                     "a residual ratio p_after / p_before in (0, 1)"),
-                kl_budget=num("kl_budget", None, lambda x: x > 0 and np.isfinite(x),
-                              "a mean background KL budget > 0 nats") or 0.0)
+                kl_budget=num("kl_budget", 0.0, lambda x: x >= 0 and np.isfinite(x),
+                              "a mean background KL budget > 0 nats (0: derived from the KLD bars)"))
     top, sub = config_from_table(SolveConfig, t, where, "solver",
                                  ranges={"n_chosen": (1, None), "max_background": (1, None)},
                                  nested=("wfld", "ftpo"), fixed={"method": method})
