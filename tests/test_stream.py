@@ -96,7 +96,7 @@ def test_solve_accepts_a_model_with_output_scale(tmp_path, hf_run):
     b = Batch(R=s["R"], inj=s["inj"], hh=s["hh"], sgv=s["sgv"], yr=s["yr"], target=torch.zeros(T, dtype=torch.long),
               doc=("d",) * T, pos=tuple(range(T)))
     K = 8
-    ff = fisher_factors(b, w, w.W_sd, K=K)
+    ff = fisher_factors(b, w, w.W_sd, K=K, tail_samples_n=0)  # the top-K part exactly (the sampled tail: test_kl_model)
     # dense reference in f64: G = mean_t Σ_{v ∈ top-K(p_t)} p_v s_v s_vᵀ, s_v = (∂mix/∂ys)ᵀ (W_out[v] − E_p[W_out]),
     # with the scaled head, p from the full [V] softmax, Jacobians by autograd
     w64 = dataclasses.replace(w, **{f.name: getattr(w, f.name).double() for f in dataclasses.fields(w)
