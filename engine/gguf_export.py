@@ -229,15 +229,80 @@ def load_hf_from_gguf(path, policy: str = "strata", device="cpu"):
     return model
 
 
+CONFIG_FILE = "config.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def read_hf_config(path):
+    """The Qwen4Exp text config of a transformers checkpoint folder, validated before anything is loaded:
+    the folder, its config.json (JSON, model_type qwen4_exp_text) and at least one weight file."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        raise L47Error(path, "checkpoint", "a transformers checkpoint folder (config.json, weights, tokenizer.json)",
+                       "not a folder" if path.exists() else "nothing at that path")
+    cj = path / CONFIG_FILE
+    if not cj.is_file():
+        raise L47Error(path, CONFIG_FILE, "a transformers checkpoint folder", f"no {CONFIG_FILE}")
+    try:
+        d = json.loads(cj.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise L47Error(cj, "JSON", "a JSON object", f"unparsable ({e})") from None
+    if not isinstance(d, dict) or d.get("model_type") != HF_MODEL_TYPE:
+        found = d.get("model_type") if isinstance(d, dict) else type(d).__name__
+        raise L47Error(cj, "model_type", f"{HF_MODEL_TYPE!r} (a Qwen4ExpForCausalLM text checkpoint)", repr(found))
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+        raise L47Error(path, "weights", f"*{' or *'.join(WEIGHT_SUFFIXES)} weight files", "none")
+    try:
+        return Qwen4ExpTextConfig.from_dict(d)
+    except (TypeError, ValueError, KeyError) as e:
+        raise L47Error(cj, "config", "a valid Qwen4Exp text config", f"{type(e).__name__}: {e}") from None
+
+
 def load_hf(path, device="cpu"):
     """A local transformers checkpoint directory (no network), f32, eval mode."""
     from transformers import Qwen4ExpForCausalLM
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise L47Error(path, "config.json", "a transformers checkpoint directory", "no config.json")
+    read_hf_config(path)
     try:
         model = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise L47Error(path, "checkpoint", "a loadable Qwen4Exp checkpoint", f"{type(e).__name__}: {e}") from None
     return model.to(device).eval()
+
+
+def export_types(model, types: dict | None = None) -> dict[str, int]:
+    """GGUF name -> ggml type of every tensor `export_gguf` writes for this model (seed layout + overrides)."""
+    overrides = {k: _type_id(v, "export", f"types[{k!r}]") for k, v in (types or {}).items()}
+    table = names.hf_to_gguf_map(int(model.config.num_hidden_layers))
+    out: dict[str, int] = {}
+    for hf, p in model.state_dict().items():
+        g = table.get(hf)
+        if g is not None and g not in out:
+            out[g] = overrides.get(g, seed_type(g, tuple(p.shape)))
+    bad = sorted(set(overrides) - set(out))
+    if bad:
+        raise L47Error("export", "types", "names of tensors of this model", ", ".join(bad))
+    return out
+
+
+@torch.no_grad()
+def round_trip_in_place(model, types: dict[str, int]) -> None:
+    """Replace every parameter by its value after the export's encoding and decoding (ggml codecs of
+    l47.model.quants; norms folded 1 + w and un-folded in f32, as the file stores them): the checkpoint as the
+    exported file holds it, computed without reading the file (the export's independent reference)."""
+    from l47.model.quants import dequantize
+
+    table = names.hf_to_gguf_map(int(model.config.num_hidden_layers))
+    for hf, p in model.state_dict().items():
+        g = table[hf]
+        w = p.detach().float()
+        folded = names.is_folded_norm(g)
+        if folded:
+            w = 1.0 + w  # [hc*n] f32, as stored
+        raw = _encode(w, types[g], g)
+        v = dequantize(torch.from_numpy(np.ascontiguousarray(raw)), types[g], tuple(p.shape), g, "cpu")
+        v = v.reshape(p.shape).float()
+        p.copy_(v - 1.0 if folded else v)

@@ -388,6 +388,65 @@ def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: flo
     return out
 
 
+def batchable(model) -> bool:
+    """Whether left-padded batched generation gives each prompt exactly its own computation: not for models with
+    per-layer n-gram embeddings (PLE), whose n-gram context would see the padding as tokens."""
+    return not getattr(model.config, "ple_layer_ids", None)
+
+
+@torch.no_grad()
+def generate_batch(model, prompts, settings, where: str = "generate") -> list[list[int]]:
+    """`generate` for several prompts at once: the prompts left-padded to one length (attention mask 0 on the
+    padding, positions counted from each prompt's first token), one forward per step for the whole batch, each
+    row sampled with its own seeded torch.Generator in f64 on the CPU. Same ids as `generate` one at a time for
+    the same seeds (rows never interact: attention, the recurrent layers and routing are per row; padded states
+    are zeroed). A row that stopped keeps riding along until the batch ends; its extra tokens are discarded.
+
+    prompts   list of token id lists [B]
+    settings  one SamplerSettings per prompt (max_new_tokens, seed, temperature, top_p, top_k, stop_ids)
+    """
+    if len(prompts) != len(settings):
+        raise L47Error(where, "settings", f"one per prompt ({len(prompts)})", str(len(settings)))
+    for s in settings:
+        if s.max_new_tokens < 0:
+            raise L47Error(where, "max_new_tokens", ">= 0", str(s.max_new_tokens))
+        if not 0 < s.top_p <= 1:
+            raise L47Error(where, "top_p", "in (0, 1]", str(s.top_p))
+    ids = [_check_ids(model, p, where, 1) for p in prompts]
+    B = len(ids)
+    out: list[list[int]] = [[] for _ in range(B)]
+    live = [s.max_new_tokens > 0 for s in settings]
+    if not any(live):
+        return out
+    dev = next(model.parameters()).device
+    Lp = max(int(t.numel()) for t in ids)
+    x = torch.zeros(B, Lp, dtype=torch.long)  # [B, Lp] left-padded (id 0 under mask 0)
+    mask = torch.zeros(B, Lp, dtype=torch.long)  # [B, Lp] 1 on real tokens
+    for b, t in enumerate(ids):
+        x[b, Lp - t.numel():] = t
+        mask[b, Lp - t.numel():] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, Lp] each prompt's own positions 0..len-1
+    gens = [torch.Generator().manual_seed(s.seed) for s in settings]
+    o = model(x.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
+    last = pos[:, -1]  # [B] position of each row's last token
+    for _ in range(max(s.max_new_tokens for s in settings)):
+        nxt = torch.zeros(B, 1, dtype=torch.long)  # [B, 1]
+        for b, s in enumerate(settings):
+            if not live[b]:
+                continue
+            t = sample_next(o.logits[b, -1], s, gens[b])
+            out[b].append(t)
+            nxt[b, 0] = t
+            live[b] = t not in s.stop_ids and len(out[b]) < s.max_new_tokens
+        if not any(live):
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)  # [B, past + 1]
+        last = last + 1
+        o = model(nxt.to(dev), attention_mask=mask.to(dev), position_ids=last[:, None].to(dev), cache=o.cache,
+                  use_cache=True)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the tail weights the engine itself used (zero-proxy check for a transformers checkpoint without a GGUF)
 
@@ -410,6 +469,6 @@ def tail_weights_from_model(model, model_sha: str, layer: int | None = None):
         W_sd=f32(f"model.layers.{last}.mlp.shared_expert.down_proj.weight"),
         onorm=(1.0 + f32(f"{mixer}.hc_norm.weight")).reshape(int(c.hc_count), int(c.hidden_size)),
         odown=f32(f"{mixer}.input_mix_weight_down.weight"), oup=f32(f"{mixer}.input_mix_weight_up.weight"),
-        head=f32("lm_head.weight"), head_scale=None, target=names.target_tensor(last),
+        head=f32("lm_head.weight"), target=names.target_tensor(last),
         target_type=0, model_sha256=model_sha, policy="exact", path=model_sha,
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -120,16 +119,17 @@ def _content_hashes(paths) -> dict[str, str]:
 
 
 def _check_out_dir(out: Path) -> None:
-    """Refuse an output directory that cannot be written, before any work."""
+    """Refuse an output directory that cannot be created or written, before any work. Creates nothing: a refused
+    or failed audit leaves no folder behind (the report writer makes it)."""
     out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".l47-write-test.")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
+    if out.exists() and not out.is_dir():
+        raise L47Error(out, "output directory", "a folder (or a new path)", "an existing file")
+    anc = Path(os.path.abspath(out))
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
         raise L47Error(out, "output directory", "a directory this user can create and write",
-                       f"{type(e).__name__}: {e.strerror or e}") from None
+                       f"{anc} is {'not writable' if anc.is_dir() else 'a file'}")
 
 
 def _json_default(o):
@@ -249,8 +249,8 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
         if k not in bundle_g.kv:
             (omitted if form == "overlay" else changed_kv).append(f"{k}: removed" if form == "full" else k)
     # ΔW of the runtime weights (what the forward uses), f64
-    W0 = w.W_sd.double()
-    dW = W_new.double() - W0
+    W0 = w.W_sd.cpu().double()  # on the CPU: MPS has no float64
+    dW = W_new.cpu().double() - W0
     dw_fro = float(dW.norm())
     dw_rel = dw_fro / float(W0.norm())
     blocks = None
@@ -501,7 +501,7 @@ def _engine_figures(args, w, by_sha: dict[str, DocResult], doc_paths: dict[str, 
                 mix = mix_of_dump(b, w)  # [T, n]
                 floor = []
                 for r0 in range(0, b.T, 64):
-                    z = head_chunk(mix[r0:r0 + 64], w, 0, w.V).double().cpu().numpy()  # [t, V]
+                    z = head_chunk(mix[r0:r0 + 64], w, 0, w.V).cpu().double().numpy()  # [t, V]
                     floor.append(_kl_rows(np.asarray(b.ref_logits[r0:r0 + 64]), z))
             a = acc.setdefault(d.set, {"kld": [], "floor": [], "tail": []})
             a["kld"].append(kl_e)
@@ -1021,6 +1021,7 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
         "documents": [{"path": d.path, "sha256": d.sha256, "set": d.set, "doc_id": d.doc_id, "T": d.T,
                        "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in ctx.docs],
         "ledger": str(ctx.ledgers[0].path), "policy": args.policy, "device": args.device, "vocab": ctx.vocab.name,
+        "numerics": ctx.w.numerics.record(),  # head precision used and its measured logit error (l47.tail.stream)
     }
     report = clean({
         "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": ctx.mode, "passed": passed,

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -310,8 +308,9 @@ def render_tsv(docs, vocab, special_ids, sims) -> str:
 def write_reports(out: Path, report: dict, docs, vocab, special_ids, sims, plots: bool = True) -> dict[str, str]:
     """Write report.json, report.md, positions.tsv and the plots into `out` (staged, then moved in)."""
     out = Path(out)
-    stage = Path(tempfile.mkdtemp(dir=out, prefix=".l47-audit-staging."))
-    try:
+    from l47.fileio import staging_dir
+
+    with staging_dir(out / ".l47-audit") as stage:
         (stage / REPORT_JSON).write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
         (stage / REPORT_MD).write_text(render_markdown(report))
         (stage / POSITIONS_TSV).write_text(render_tsv(docs, vocab, special_ids, sims))
@@ -328,5 +327,3 @@ def write_reports(out: Path, report: dict, docs, vocab, special_ids, sims, plots
             os.replace(stage / nm, out / nm)
             files[nm] = str(out / nm)
         return files
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)

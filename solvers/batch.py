@@ -55,6 +55,14 @@ def gather(items: list[tuple[object, list[int]]], device) -> Batch:
     return Batch(doc=tuple(docs), pos=tuple(poss), **cat)
 
 
+def batch_to(b: Batch | None, device) -> Batch | None:
+    """The same positions on another device."""
+    if b is None:
+        return None
+    return Batch(R=b.R.to(device), inj=b.inj.to(device), hh=b.hh.to(device), sgv=b.sgv.to(device),
+                 yr=b.yr.to(device), target=b.target.to(device), doc=b.doc, pos=b.pos)
+
+
 def batch_mix(b: Batch, w: TailWeights, W_sd=None, dW=None) -> torch.Tensor:
     return tail_mix(b.R, b.inj, b.hh, b.sgv, b.yr, w, W_sd=W_sd, dW=dW)  # [P, n]
 

@@ -82,9 +82,11 @@ def transplant(overlay_path: Path, base_path: Path, out: Path) -> dict:
     from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf, tensors_equal_bytes
 
     ov, base = open_gguf(overlay_path), open_gguf(base_path)
-    for p in (overlay_path,):
-        if Path(out).resolve() == Path(p).resolve():
-            raise L47Error(out, "output path", "a new file", "the overlay itself")
+    from l47.model.gguf_io import _same_file
+
+    for p, what in ((overlay_path, "the overlay itself"), (base_path, "the base itself")):
+        if Path(out).exists() and _same_file(Path(out), Path(p)):
+            raise L47Error(out, "output path", "a new file, never an input", what)
     repl = {}
     for n, i in ov.tensors.items():
         if n not in base.tensors:
@@ -94,16 +96,25 @@ def transplant(overlay_path: Path, base_path: Path, out: Path) -> dict:
             raise L47Error(overlay_path, f"tensor {n}", f"{b.type_name} {b.shape} (as in the base)",
                            f"{i.type_name} {i.shape}")
         repl[n] = np.asarray(ov.raw(n))
+    made_for = ov.kv.get(names.PROVENANCE_PREFIX + "overlay_of")
+    if isinstance(made_for, str) and made_for and made_for != base.sha256():
+        raise L47Error(overlay_path, names.PROVENANCE_PREFIX + "overlay_of", f"the base given, sha256 "
+                       f"{base.sha256()[:16]}… ({base_path})", f"an overlay of model sha256 {made_for[:16]}…")
     prov = {k: v for k, v in ov.kv.items() if k.startswith(names.PROVENANCE_PREFIX)}
-    copy_with_tensor_replaced(base, out, repl, extra_kv=prov or None)
-    res = open_gguf(out)
-    changed = []
-    for n in base.tensors:
-        if n in repl:
-            if not tensors_equal_bytes(res, ov, n):
-                raise L47Error(out, f"tensor {n}", "the overlay's bytes after writing", "different bytes")
-            if not tensors_equal_bytes(res, base, n):
-                changed.append(n)
-        elif not tensors_equal_bytes(res, base, n):
-            raise L47Error(out, f"tensor {n}", "byte-identical to the base after writing", "different bytes")
-    return {"out": str(out), "overlay_tensors": len(repl), "changed": changed, "sha256": res.sha256()}
+    from l47.fileio import atomic_path
+
+    with atomic_path(out) as tmp:  # verified before it takes the name: a failed check leaves no file
+        copy_with_tensor_replaced(base, tmp, repl, extra_kv=prov or None)
+        res = open_gguf(tmp)
+        changed = []
+        for n in base.tensors:
+            if n in repl:
+                if not tensors_equal_bytes(res, ov, n):
+                    raise L47Error(out, f"tensor {n}", "the overlay's bytes after writing", "different bytes")
+                if not tensors_equal_bytes(res, base, n):
+                    changed.append(n)
+            elif not tensors_equal_bytes(res, base, n):
+                raise L47Error(out, f"tensor {n}", "byte-identical to the base after writing", "different bytes")
+        sha = res.sha256()
+        del res
+    return {"out": str(out), "overlay_tensors": len(repl), "changed": changed, "sha256": sha}

@@ -71,7 +71,7 @@ def train_ftpo(w: TailWeights, events: EventTerms, ev: Batch, background: Batch,
         st0 = head_stats(mix0_ev, w, ev.target.cpu().numpy(), topk=cfg.tether_topk + 1)
         top = torch.as_tensor(st0.top_ids, device=dev_)  # [E, K+1]
         keep = top != events.rejected[:, None]
-        p0 = torch.exp(torch.as_tensor(st0.top_logp, device=dev_)).float() * keep
+        p0 = torch.exp(torch.as_tensor(st0.top_logp)).float().to(dev_) * keep  # f64 exp on the CPU (MPS)
         z0_top = logits_at(mix0_ev, w, top)
         mix0_bg = batch_mix(background, w)
         mix0_an = batch_mix(anchors, w) if anchors is not None and anchors.P else None

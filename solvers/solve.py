@@ -2,7 +2,9 @@
 
     run_solve = plan_solve        load the experiment, base model, weights, config and sets report; refuse bad input
               → select_positions  what the solve touches (l47.solvers.select: events, anchors, turn ends, background)
+              → fit_anchors       protected contexts within the anchors budget, chosen for span (solvers/anchors.py)
               → build_problem     the layer-L batches and per-event token terms
+              → check_feasible    the feasibility plan (solvers/plan.py), stored in the record
               → solve_problem     WFLD or FTPO -> float ΔW
               → requantize        ΔW -> Q8_0 bytes of the target and their runtime values (what ships)
               → measure           every claimed figure on the re-quantised weights (l47.data.record.SolveClaims)
@@ -31,12 +33,15 @@ from l47.fileio import sha256_file, write_text_atomic
 from l47.model import names
 from l47.solvers.batch import Batch, EventTerms, batch_mix, gather, pick_chosen
 from l47.solvers.ftpo import FtpoConfig
+from l47.solvers.anchors import DEFAULT_BUDGET_FRACTION, AnchorChoice, choose_anchors
 from l47.solvers.select import SOLVER_SETS, Selection, select_positions
 from l47.solvers.wfld import WfldConfig
 from l47.tail.forward import head_stats, paired_stats
 
 METHODS = ("wfld", "ftpo")
-COMMON_KEYS = ("seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen", "wfld", "ftpo")
+COMMON_KEYS = ("method", "seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen",
+               "anchors_budget", "target_residual", "kl_budget", "wfld", "ftpo")
+KL_BUDGET_SAFETY = 0.5  # default KL budget = this × the tightest KLD bar ((e) kld_max, (g) chat_kld)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class SolveArgs:
     device: str = "cpu"
     ledger: Path | None = None
     sets_json: Path | None = None  # reuse a `l47 sets --json` report instead of re-mining
+    allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,10 @@ class SolveConfig:
     protect_turn_ends: bool = True  # real turn ends (<|im_end|> targets) of background/train/dev chats: exact anchors
     # too (seed §6.1: chat-formatted anchors, so freed mass cannot end turns early)
     n_chosen: int = 1
+    anchors_budget: float = DEFAULT_BUDGET_FRACTION  # exact anchors may use at most this share of f; beyond it they
+    # are thinned by span (solvers/anchors.py), the solver's own turn ends always kept
+    target_residual: float = 0.2  # per phrase: aimed p(rejected) after / before (the plan checks it is reachable)
+    kl_budget: float = 0.0  # nats of mean background KL (> 0 when set); 0: KL_BUDGET_SAFETY × the tightest KLD bar
     wfld: WfldConfig = WfldConfig()
     ftpo: FtpoConfig = FtpoConfig()
 
@@ -83,25 +93,41 @@ class SolveResult:
 
 
 def _sub(cls, d: dict, where: str):
-    valid = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(d) - valid)
-    if bad:
-        raise L47Error(where, f"key(s) {bad}", f"one of {sorted(valid)}", str(bad))
-    return cls(**d)
+    from l47.data.experiment import config_from_table
+
+    ranges = {"p_cap": (0.0, 0.999), "step_sizes": (1e-6, 1.0), "max_removed": (0.0, 1.0), "n_chosen": (1, None)}
+    return config_from_table(cls, d, where, f"solver.{cls.__name__.removesuffix('Config').lower()}", ranges)[0]
 
 
-def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
-    if method not in METHODS:
-        raise L47Error(where, "method", f"one of {METHODS}", repr(method))
+def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveConfig:
+    """[solver] table -> SolveConfig, every key type- and range-checked (an unknown key answered with the nearest
+    known one); `method` (--method) wins over the table's `method`, default "wfld"."""
+    from l47.data.experiment import config_from_table
+
     t = dict(solver_table or {})
-    bad = sorted(set(t) - set(COMMON_KEYS))
-    if bad:
-        raise L47Error(where, f"[solver] key(s) {bad}", f"one of {list(COMMON_KEYS)}", str(bad))
-    return SolveConfig(method=method, seed=int(t.get("seed", 0)), max_background=int(t.get("max_background", 4000)),
-                       max_anchors_per_word=int(t.get("max_anchors_per_word", 0)),
-                       protect_turn_ends=bool(t.get("protect_turn_ends", True)),
-                       n_chosen=int(t.get("n_chosen", 1)), wfld=_sub(WfldConfig, t.get("wfld", {}), where + " [solver.wfld]"),
-                       ftpo=_sub(FtpoConfig, t.get("ftpo", {}), where + " [solver.ftpo]"))
+    method = method or t.pop("method", None) or "wfld"
+    t.pop("method", None)
+    if method not in METHODS:
+        raise L47Error(where, "method ([solver] method or --method)", f"one of {METHODS}", repr(method))
+    def num(key: str, default, ok, expected: str):
+        v = t.pop(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(float(v)):
+            raise L47Error(where, f"solver.{key}", expected, repr(v))
+        return float(v)
+
+    mine = dict(anchors_budget=num("anchors_budget", DEFAULT_BUDGET_FRACTION, lambda x: 0 < x <= 1,
+                                   "a share of the shared-expert width f in (0, 1] (1 = all of f)"),
+                target_residual=num("target_residual", 0.2, lambda x: 0 < x < 1,
+                                    "a residual ratio p_after / p_before in (0, 1)"),
+                kl_budget=num("kl_budget", 0.0, lambda x: x >= 0 and np.isfinite(x),
+                              "a mean background KL budget > 0 nats (0: derived from the KLD bars)"))
+    top, sub = config_from_table(SolveConfig, t, where, "solver",
+                                 ranges={"n_chosen": (1, None), "max_background": (1, None)},
+                                 nested=("wfld", "ftpo"), fixed={"method": method})
+    return dataclasses.replace(top, method=method, wfld=_sub(WfldConfig, sub.get("wfld", {}), where),
+                               ftpo=_sub(FtpoConfig, sub.get("ftpo", {}), where), **mine)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,8 +137,10 @@ def resolve_config(solver_table: dict, method: str, where: str) -> SolveConfig:
 class DumpCache:
     """The report's accepted documents by sha256, read once; batches of (doc, row) pairs."""
 
-    def __init__(self, report, w):
+    def __init__(self, report, w, allow_other_model: bool = False):
         self.w = w
+        self.allow_other_model = allow_other_model
+        self.other_model_notes: list[str] = []  # dumps of another model, allowed (l47.data.identity)
         self.paths = {d.sha256: d.path for d in report.docs if not d.refused}
         self._cache: dict[str, object] = {}
 
@@ -123,7 +151,11 @@ class DumpCache:
             p = Path(self.paths[sha])
             d = read_dump(p)
             m = str(d.meta.model)
-            if len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != self.w.model_sha256:
+            if self.allow_other_model and len(m) == 64 and m != self.w.model_sha256:
+                from l47.data.identity import other_model_notes
+
+                self.other_model_notes += other_model_notes([p], self.w.model_sha256, self.w.path, True)
+            elif len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != self.w.model_sha256:
                 raise L47Error(p, "meta.model", f"the base model's sha256 {self.w.model_sha256[:16]}…",
                                f"{m[:16]}… (dumped from another model)")
             self._cache[sha] = d
@@ -173,9 +205,6 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
     cfg = resolve_config(exp.solver, args.method, str(exp.path))
     base_g = open_gguf(model)
     w = load_tail_weights(base_g, policy=exp.policy, device=args.device)
-    if w.head_scale is not None:
-        raise L47Error(model, "tensor output.scale", "no output.scale for the solvers (the audit and scoring "
-                       "handle it; the solvers' linearisation does not yet)", "present")
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
@@ -186,11 +215,43 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
               else load_sets_report(args.sets_json))
     ledger.append([d.sha256 for d in report.docs if d.set in SOLVER_SETS and not d.refused and d.sha256],
                   w.model_sha256, "solve")
-    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w), ledger)
+    return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w, args.allow_other_model),
+                     ledger)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # problem and solve
+
+
+def kl_budget(plan: "SolvePlan") -> float:
+    """The configured KL budget, or KL_BUDGET_SAFETY × the tightest of bars (e) and (g)'s KLD limits."""
+    if plan.cfg.kl_budget > 0:
+        return plan.cfg.kl_budget
+    th = plan.exp.thresholds
+    return KL_BUDGET_SAFETY * min(th.kld_max, th.chat_kld)
+
+
+def fit_anchors(plan: "SolvePlan", sel: Selection, log) -> tuple[Selection, AnchorChoice | None]:
+    """Protected contexts within `anchors_budget` of f: when the collateral anchors and turn ends span more, keep
+    every turn end and then the collateral anchors that span the most (pivoted QR); the rest are dropped (they
+    stay scored by the audit's collateral bars). Returns the thinned selection and what was kept."""
+    cfg, w = plan.cfg, plan.w
+    cand = plan.dumps.batch([(c.doc_sha256, c.pos) for c in sel.anchors] + sel.turn_ends)
+    if cand is None:
+        return sel, None
+    budget = int(np.floor(cfg.anchors_budget * w.f))
+    n_col = len(sel.anchors)
+    must = list(range(n_col, cand.P))  # turn ends of the solver's own chats: always kept
+    choice = choose_anchors(cand.hh, must, budget, tol=cfg.wfld.anchor_tol)
+    kept_col = sorted(i for i in choice.kept if i < n_col)
+    if len(must) > budget:
+        log(f"anchors: the {len(must)} turn ends alone exceed the anchors budget {budget} "
+            f"(= {cfg.anchors_budget:g} × f = {w.f}); all kept, no collateral anchor")
+    if len(kept_col) < n_col:
+        log(f"anchors: {n_col} collateral + {len(must)} turn ends would span more than the budget {budget} "
+            f"(= {cfg.anchors_budget:g} × f); kept {len(kept_col)} collateral anchors chosen for span, rank "
+            f"{choice.rank}; the dropped ones keep ≤ {choice.uncovered:.0%} of their key outside the kept span")
+    return dataclasses.replace(sel, anchors=[sel.anchors[i] for i in kept_col]), choice
 
 
 @dataclass
@@ -224,11 +285,55 @@ def describe(sel: Selection, prob: Problem) -> str:
             f"{sel.background_total}) from {sel.background_docs} documents")
 
 
+def check_feasible(plan: "SolvePlan", sel: Selection, prob: "Problem"):
+    """The feasibility plan (solvers/plan.py) for this selection: per phrase events, base p, needed and
+    reachable log-odds, share inside the protected span, binding constraint."""
+    from l47.solvers.plan import feasibility
+
+    r = plan.report
+    phrases = [p["phrase"] for p in r.phrases]
+    counts: dict[str, dict] = {ph: {} for ph in phrases}
+    pb: dict[str, list] = {ph: [] for ph in phrases}
+    for e in r.events:
+        counts.setdefault(e.phrase, {})
+        counts[e.phrase][e.set] = counts[e.phrase].get(e.set, 0) + 1
+        if e.set in ("train", "dev"):
+            pb.setdefault(e.phrase, []).append(e.p_base)
+    empty = [ph for ph in phrases if not sum(counts.get(ph, {}).values())]
+    if empty:
+        raise L47Error(plan.exp.path, f"phrases.text = {empty[0]!r}", "a phrase with at least one event (prefix-exact, "
+                       f"base p ≥ {r.thresholds['non_event_p']}) in the experiment's documents", "zero events")
+    words = [c.word for c in sel.anchors] + [names.IM_END] * len(sel.turn_ends)
+    wc = plan.cfg.wfld
+    return feasibility(plan.w, phrases, counts, {k: float(np.mean(v)) if v else float("nan") for k, v in pb.items()},
+                       prob.events, [e.phrase for e in sel.train], np.asarray([e.p_base for e in sel.train]),
+                       prob.terms, prob.background, prob.anchors, words, len(sel.turn_ends),
+                       plan.cfg.target_residual, kl_budget(plan), max_removed=wc.max_removed,
+                       anchor_tol=wc.anchor_tol, fisher_topk=wc.fisher_topk, tail_samples=wc.fisher_tail_samples)
+
+
+def describe_feasibility(fp) -> list[str]:
+    """One line per phrase that cannot reach its target, plus the anchors' use of f."""
+    from l47.solvers.plan import BINDING_EVENTS
+
+    out = [f"plan: anchors rank {fp.anchor_rank} of f = {fp.f} ({fp.turn_ends} turn ends), null space {fp.null_dim}; "
+           f"target residual {fp.target:g}, KL budget {fp.kl_budget:.3g}"]
+    for p in fp.short:
+        if p.binding == BINDING_EVENTS:
+            out.append(f"plan: {p.phrase!r} cannot be trained: no train events ({p.events})")
+            continue
+        out.append(f"plan: {p.phrase!r} cannot reach its target: {p.binding} (needs {p.needed_gap:.3g} nats of "
+                   f"log-odds, reachable {p.reachable_gap:.3g}; {p.events.get('train', 0)} train events, "
+                   f"{p.span_share_mean:.0%} of their keys inside the protected span)")
+    return out + [f"plan: {n}" for n in fp.notes]
+
+
 @dataclass
 class Solved:
     dW: torch.Tensor  # [n, f] f32, the float solution
     summary: dict  # the solver's diagnostics
     predicted_bg_kl: float | None = None
+    convergence: rec.Convergence | None = None
 
 
 def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress) -> Solved:
@@ -238,8 +343,22 @@ def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress)
     cfg, w = plan.cfg, plan.w
     torch.manual_seed(cfg.seed)
     if cfg.method == "wfld":
+        if w.numerics.no_f64:  # WFLD's algebra is float64: on the CPU when the device has none (MPS)
+            from l47.model.weights import weights_to
+            from l47.solvers.batch import batch_to
+
+            t = prob.terms
+            res = solve_wfld(weights_to(w, "cpu"), batch_to(prob.events, "cpu"), EventTerms(
+                t.rejected.cpu(), t.chosen.cpu(), t.special.cpu(), t.scale.cpu()), batch_to(prob.background, "cpu"),
+                batch_to(prob.anchors, "cpu"), cfg.wfld, log=log)
+            return Solved(res.dW.to(w.device), res.summary(), res.predicted_bg_kl)
         res = solve_wfld(w, prob.events, prob.terms, prob.background, prob.anchors, cfg.wfld, log=log)
-        return Solved(res.dW, res.summary(), res.predicted_bg_kl)
+        conv = rec.Convergence(stop_reason=res.stop_reason, max_violation=res.violation,
+                               violation_tol=res.tolerance, iterations=len(res.iterations) - 1)
+        if res.violation > res.tolerance:
+            log(f"warning: WFLD ended with a max constraint violation of {res.violation:.3g} nats > tolerance "
+                f"{res.tolerance:g} ({res.stop_reason})")
+        return Solved(res.dW, res.summary(), res.predicted_bg_kl, conv)
     dev = (prob.dev, torch.as_tensor([e.final for e in sel.dev])) if prob.dev is not None else None
     words = [c.token_id for c in sel.anchors] + [sel.im_end] * len(sel.turn_ends)
     step = None if progress is None else (lambda r: progress({**r, "steps": cfg.ftpo.steps}))
@@ -301,7 +420,8 @@ def _anchor_claims(plan: SolvePlan, an: Batch | None, dW, W_q) -> rec.AnchorClai
                             requant_floor=worst(mf, mq))
 
 
-def measure(plan: SolvePlan, sel: Selection, prob: Problem, solved: Solved, shipped: Shipped) -> rec.SolveClaims:
+def measure(plan: SolvePlan, sel: Selection, prob: Problem, solved: Solved, shipped: Shipped, feas=None,
+            choice: AnchorChoice | None = None) -> rec.SolveClaims:
     """Every claimed figure, on the re-quantised weights (exact forward)."""
     w, W_q = plan.w, shipped.W_q
     base_raw = np.asarray(plan.base_g.raw(w.target))
@@ -317,6 +437,9 @@ def measure(plan: SolvePlan, sel: Selection, prob: Problem, solved: Solved, ship
         background_kl_exact=float(bg.kld.mean()),
         background_kl_predicted=solved.predicted_bg_kl,
         anchors=_anchor_claims(plan, prob.anchors, solved.dW, W_q),
+        convergence=solved.convergence,
+        feasibility=feas,
+        anchor_choice=None if choice is None else choice.summary(),
         method={**solved.summary, "figures_from": "the float ΔW, before re-quantisation"},
     )
 
@@ -371,7 +494,8 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
     record = rec.SolveRecord(method=plan.cfg.method, toolkit_version=l47.__version__, seed=plan.cfg.seed,
                              base_sha256=base_sha, bundle_sha256=bundle_sha, target=plan.w.target,
                              config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
-                             claims=claims, notes=list(warnings))
+                             claims=claims, notes=list(warnings) + plan.dumps.other_model_notes,
+                             numerics=plan.w.numerics.record())
     path = rec.record_path_for(plan.out)
     write_text_atomic(path, record.to_json())
     plan.ledger.append(_measured_on_bundle(sel), bundle_sha, "solve")
@@ -389,9 +513,28 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
     log = log or (lambda _msg: None)
     plan = plan_solve(args)
     sel = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
+    sel, choice = fit_anchors(plan, sel, log)
     prob = build_problem(plan, sel)
     log(describe(sel, prob))
+    feas = check_feasible(plan, sel, prob)
+    for line in describe_feasibility(feas):
+        log(line)
     solved = solve_problem(plan, sel, prob, log, progress)
+    from l47.model.weights import check_finite
+
+    check_finite(solved.dW, f"l47 solve ({plan.cfg.method})", "ΔW (the solver's result)")  # never shipped
     shipped = requantize(plan, solved.dW)
-    claims = measure(plan, sel, prob, solved, shipped)
+    claims = measure(plan, sel, prob, solved, shipped, feas.to_dict(), choice)
     return write_outputs(plan, sel, prob, shipped, claims)
+
+
+def run_plan(args: SolveArgs, log: Callable[[str], None] | None = None):
+    """`l47 plan`: the steps of `run_solve` up to the feasibility plan; nothing is solved or written. Returns
+    (FeasibilityPlan, AnchorChoice | None)."""
+    log = log or (lambda _msg: None)
+    plan = plan_solve(args)
+    sel = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
+    sel, choice = fit_anchors(plan, sel, log)
+    prob = build_problem(plan, sel)
+    log(describe(sel, prob))
+    return check_feasible(plan, sel, prob), choice

@@ -22,7 +22,8 @@ LN_V = math.log(3072)  # the demo model's vocabulary
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    console = Console(file=open(out / "console.txt", "w"), width=120)
+    log = tmp_path_factory.mktemp("demo_log")  # the demo refuses a folder holding files it did not write
+    console = Console(file=open(log / "console.txt", "w"), width=120)
     code = run_demo(DemoArgs(out=out, prompts=32, max_new_tokens=96), console)
     return out, code
 

@@ -62,7 +62,7 @@ def test_documented_example_parses(tmp_path):
     assert e.sets["collateral_anchor"] == (tmp_path / "dumps/collateral/anchor_x.safetensors",)
     assert e.split.seed == 20240501 and e.split.fractions == {"train": 0.55, "dev": 0.10, "heldout": 0.35}
     assert e.split.pool == (tmp_path / "dumps/generated/x.safetensors",)
-    assert e.solver == {"method": "wfld", "delta_cho": 0.05}
+    assert e.solver == {"method": "wfld", "wfld": {"delta_cho": 0.05}}  # as `l47 solve` accepts it
     assert ("pool", tmp_path / "dumps/generated/x.safetensors") in e.documents()
 
 

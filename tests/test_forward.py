@@ -33,7 +33,7 @@ def weights_from_hf(model) -> TailWeights:
         W_sd=model.model.layers[L].mlp.shared_expert.down_proj.weight.detach().float().clone(),
         onorm=(1.0 + mixer.hc_norm.weight.detach().float()).reshape(c.hc_count, c.hidden_size),
         odown=down, oup=mixer.input_mix_weight_up.weight.detach().float(),
-        head=model.lm_head.weight.detach().float(), head_scale=None, target="blk.2.ffn_down_shexp.weight",
+        head=model.lm_head.weight.detach().float(), target="blk.2.ffn_down_shexp.weight",
         target_type=8, model_sha256="hf", policy="exact", path="hf",
     )
 
@@ -172,8 +172,8 @@ def test_paired_stats_match_dense(hf):
 def test_gradients_match_finite_differences(hf):
     m, ids, s, _ = hf
     w = weights_from_hf(m)
-    w64 = TailWeights(**{k: (v.double() if isinstance(v, torch.Tensor) else v)
-                         for k, v in dataclasses.asdict(w).items()})
+    w64 = dataclasses.replace(w, **{f.name: getattr(w, f.name).double() for f in dataclasses.fields(w)
+                                    if isinstance(getattr(w, f.name), torch.Tensor)})
     s64 = {k: v.double()[:8] for k, v in s.items()}
     tgt = ids[1:9]
     dW = torch.zeros(w.n, w.f, dtype=torch.float64, requires_grad=True)

@@ -26,7 +26,7 @@ def _weights(head: torch.Tensor) -> TailWeights:
     V, n = head.shape
     z = torch.zeros(1)
     return TailWeights(layer=0, n=n, f=1, hc=1, r=1, V=V, eps=1e-6, W_sd=z, onorm=z, odown=z, oup=z, head=head,
-                       head_scale=None, target="t", target_type=0, model_sha256="", policy="exact", path="")
+                       target="t", target_type=0, model_sha256="", policy="exact", path="")
 
 
 def _reference(zb: np.ndarray, zn: np.ndarray, tg: np.ndarray) -> dict:

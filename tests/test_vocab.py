@@ -178,9 +178,16 @@ def test_trained_tokenizer_round_trip(specials_first, tmp_path):
     assert not set(ids) & set(v.special_ids.values())
 
 
-def test_vocab_for_model_without_tokenizer_is_qwen36(tmp_path):
-    path = write_gguf(tmp_path / "bare.gguf", {names.KEY_ARCH: names.ARCH}, None, [])
+def test_vocab_for_model_without_tokenizer_is_qwen36_only_at_its_size(tmp_path):
+    """No tokenizer metadata: Qwen3.6's vocabulary only for a model of its size (248,320 head rows); any other
+    size is an error naming the missing key (never a built-in vocabulary silently)."""
+    path = write_gguf(tmp_path / "bare.gguf", {names.KEY_ARCH: names.ARCH, names.key(names.K_VOCAB): 248_320},
+                      None, [])
     assert vocab_for_model(path) is vocab_qwen36()
+    other = write_gguf(tmp_path / "other.gguf", {names.KEY_ARCH: names.ARCH, names.key(names.K_VOCAB): 4000},
+                       None, [])
+    with pytest.raises(L47Error, match="tokenizer.ggml.tokens.*vocabulary size is 4000"):
+        vocab_for_model(other)
 
 
 def test_bad_tokenizer_metadata(truncated_qwen):

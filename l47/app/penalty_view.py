@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 
 def print_penalty(res, console) -> None:
@@ -12,7 +13,7 @@ def print_penalty(res, console) -> None:
         t.add_column(c, justify="left" if c == "phrase" else "right")
     f = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
     for ph, r in res.residual.items():
-        t.add_row(ph, str(r["n"]), f(r["base"]), f(r["penalty"]), f(r.get("bundle")), f(r.get("stacked")))
+        t.add_row(Text(ph), str(r["n"]), f(r["base"]), f(r["penalty"]), f(r.get("bundle")), f(r.get("stacked")))
     console.print(t)
     console.print(f"unchanged rows: {res.unchanged_rows} (max |Δ log p| there {res.unchanged_max_abs_dlogp:.1e}); "
                   f"penalised rows: {res.penalised_rows}")

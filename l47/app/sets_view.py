@@ -28,7 +28,7 @@ def render_sets_table(report: SetsReport) -> list:
     t.add_column("held-out copies", justify="right")
     ntup = {p["phrase"]: len(p["tuples"]) for p in report.phrases}
     for ph in ev:
-        t.add_row(ph, str(ntup.get(ph, 0)), *[str(ev[ph].get(s, 0)) for s in sets],
+        t.add_row(Text(ph), str(ntup.get(ph, 0)), *[str(ev[ph].get(s, 0)) for s in sets],
                   str(sum(nev.get(ph, {}).values())), str(cp.get(ph, {}).get("heldout", 0)))
     out.append(t)
 
@@ -39,7 +39,7 @@ def render_sets_table(report: SetsReport) -> list:
     for s in sets:
         t.add_column(s, justify="right")
     for wd, c in cc.items():
-        t.add_row(repr(wd), str(report.collateral_words.get(wd, "")), *[str(c.get(s, 0)) for s in sets])
+        t.add_row(Text(repr(wd)), str(report.collateral_words.get(wd, "")), *[str(c.get(s, 0)) for s in sets])
     out.append(t)
 
     cov = report.coverage()
@@ -62,7 +62,7 @@ def render_sets_table(report: SetsReport) -> list:
         t.add_column("document")
         t.add_column("why")
         for d in refused:
-            t.add_row(d.set, d.path, "; ".join(d.reasons))
+            t.add_row(d.set, Text(d.path), Text("; ".join(d.reasons)))
         out.append(t)
     if report.phrase_issues:
         t = Table(title="phrase variants not used")
@@ -71,7 +71,7 @@ def render_sets_table(report: SetsReport) -> list:
         t.add_column("ids")
         t.add_column("reason")
         for i in report.phrase_issues:
-            t.add_row(i["phrase"], repr(i["variant"]), str(i["ids"]), i["reason"])
+            t.add_row(Text(i["phrase"]), Text(repr(i["variant"])), str(i["ids"]), Text(i["reason"]))
         out.append(t)
     th = ", ".join(f"{k}={v:g}" for k, v in report.thresholds.items())
     out.append(Text(f"thresholds: {th}", style="dim"))
@@ -80,7 +80,8 @@ def render_sets_table(report: SetsReport) -> list:
     return out
 
 
-def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu", ledger=None) -> int:
+def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu", ledger=None,
+             notes=()) -> int:
     """`l47 sets EXPERIMENT.toml [--json out.json]`: build, print, write. Exit code 0 when there are no
     warnings (no refused documents, enough held-out events and collateral), 1 otherwise; bad input raises
     L47Error (the CLI prints it and exits 2)."""
@@ -100,6 +101,10 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     w = load_tail_weights(src, policy=exp.policy, device=device)
     # the base model's ledger (or the one named), validated now; every document scored is in it first
     report = build_sets(exp, w, device=device, ledger=Ledger.open(ledger, w.model_sha256), command="sets")
+    if notes:  # dumps of another model, allowed by --allow-other-model: the report says so
+        from dataclasses import replace
+
+        report = replace(report, warnings=tuple(report.warnings) + tuple(notes))
     for r in render_sets_table(report):
         console.print(r)
     if json_out is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 
 class FtpoProgress:
@@ -20,6 +22,14 @@ class FtpoProgress:
         return self
 
     def __call__(self, r: dict) -> None:
+        if not self.console.is_terminal:  # a log, not a bar: one line per dev evaluation (and the first step)
+            self.n = getattr(self, "n", 0) + 1
+            if self.n == 1 or "dev_p_rej" in r or self.n == r.get("steps"):
+                self.console.print(f"FTPO step {self.n}/{r.get('steps')}: loss {r['loss']:.4f} pref "
+                                   f"{r['pref']:.4f} KL {r['kl']:.2e} coll {r['coll']:.2e}"
+                                   + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""),
+                                   highlight=False)
+            return
         if self.bar is None:
             self.bar = Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                 TextColumn("{task.description}"), transient=True, console=self.console)
@@ -46,13 +56,13 @@ def print_solve(res, console: Console) -> None:
             continue
         for ph, b in d.per_phrase_before.items():
             a = d.per_phrase_after[ph]
-            t.add_row(name, ph, f"{b:.3f}", f"{a:.3f}", f"{(a - b) / b:+.0%}" if b else "—")
+            t.add_row(name, Text(ph), f"{b:.3f}", f"{a:.3f}", f"{(a - b) / b:+.0%}" if b else "—")
         t.add_row(name, "[bold]all[/]", f"{d.before:.3f}", f"{d.after:.3f}",
                   f"{(d.after - d.before) / d.before:+.0%}" if d.before else "—")
     console.print(t)
     line = f"background KL (exact) {c.background_kl_exact:.5f}"
     if c.background_kl_predicted is not None:
-        line += f", K-FAC prediction {c.background_kl_predicted:.5f}"
+        line += f", solver prediction {c.background_kl_predicted:.5f}"
     console.print(line + f"; ||dW||/||W|| = {c.dW_rel_norm:.4f} ({c.blocks_changed} Q8_0 blocks changed)",
                   highlight=False)
     if c.anchors is not None:
@@ -66,7 +76,7 @@ def print_solve(res, console: Console) -> None:
                       f"residual {m['residual']:.2e}, {len(m['infeasible_events'])} infeasible event(s), "
                       f"anchor rank {m['anchor_rank']}, null space {m['null_dim']}", highlight=False)
         for wmsg in m.get("warnings", []):
-            console.print(f"[yellow]warning:[/] {wmsg}", highlight=False)
+            console.print(f"[yellow]warning:[/] {escape(str(wmsg))}", highlight=False)
     console.print(f"bundle {res.bundle} (sha256 {res.record.bundle_sha256[:16]}…), record {res.record_path}",
                   highlight=False)
 
@@ -78,4 +88,5 @@ def solve_and_print(args, console: Console):
     with FtpoProgress(console) as bar:
         res = run_solve(args, log=lambda m: console.print(m, highlight=False), progress=bar)
     print_solve(res, console)
+    return res
     return res

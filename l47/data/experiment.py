@@ -105,20 +105,88 @@ class Experiment:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def nearest_key(name: str, valid) -> str:
+    """' (did you mean 'x'?)' for the closest valid key (difflib), or '' when none is close."""
+    import difflib
+
+    hit = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean {hit[0]!r}?)" if hit else ""
+
+
 def _unknown(where: Path, table: str, d: dict, valid) -> None:
     bad = sorted(set(d) - set(valid))
     if bad:
         raise L47Error(where, f"{table} key {bad[0]!r}" if table else f"key {bad[0]!r}",
-                       f"one of {list(valid)}", f"unknown key(s) {bad}")
+                       f"one of {list(valid)}", f"unknown key(s) {bad}{nearest_key(bad[0], valid)}")
+
+
+# value ranges of the thresholds (lo, hi; None = open): probabilities and shares in [0, 1], KLDs and tolerances
+# >= 0, Δlog p bars <= 0, counts and n-gram sizes >= 1. A threshold not listed must be a finite number.
+THRESHOLD_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "non_event_p": (0.0, 1.0), "heldout_frac": (0.0, 1.0), "min_heldout_per_phrase": (1, None),
+    "collateral_min_total": (1, None), "collateral_min_per_word": (1, None), "slop_reduction": (0.0, 1.0),
+    "collateral_word_mean": (None, 0.0), "collateral_frac_below": (0.0, 1.0), "collateral_below": (None, 0.0),
+    "kld_max": (0.0, None), "chat_ordinary_dlogp": (None, 0.0), "chat_kld": (0.0, None),
+    "im_end_dlogp": (None, 0.0), "special_rise_tol": (0.0, None), "blind_residual_factor": (0.0, None),
+    "zero_proxy_tol": (0.0, None), "ce_proxy_frac": (0.0, None), "salad_ngram": (1, None),
+    "salad_max_ngram_repeat": (0.0, 1.0), "salad_max_dup_lines": (0.0, 1.0),
+    "sampler_max_violation_frac": (0.0, 1.0), "sampler_tol": (0.0, None),
+}
+
+
+def _range_text(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"a value in [{lo}, {hi}]"
+    return f"a value >= {lo}" if lo is not None else f"a value <= {hi}"
+
+
+def config_from_table(cls, d: Any, where, table: str, ranges: dict | None = None, default_lo: float | None = 0.0,
+                      nested: tuple[str, ...] = (), fixed: dict | None = None):
+    """Build dataclass `cls` from a TOML table, checking every key: unknown keys (with the nearest known one),
+    the type of each value against its default's (bool, int, float — an int is accepted —, str, tuple of
+    numbers), finite numbers, and ranges (`ranges[name] = (lo, hi)`, else >= default_lo). Keys in `nested` are
+    returned untouched for the caller; `fixed` are constructor arguments given by the caller. Returns
+    (instance, {nested key: value})."""
+    if not isinstance(d, dict):
+        raise L47Error(where, table, "a table", f"{type(d).__name__} {d!r:.60}")
+    valid = [f.name for f in fields(cls) if f.name not in (fixed or {})]
+    _unknown(Path(str(where)), f"[{table}]", d, valid)
+    kw, rest = {}, {}
+    for f in fields(cls):
+        if f.name not in d:
+            continue
+        v, name = d[f.name], f"{table}.{f.name}"
+        if f.name in nested:
+            rest[f.name] = v
+            continue
+        default = f.default
+        lo, hi = (ranges or {}).get(f.name, (default_lo, None))
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise L47Error(where, name, "true or false", repr(v))
+            kw[f.name] = v
+        elif isinstance(default, (int, float)):
+            kw[f.name] = _num(Path(str(where)), name, v, int if isinstance(default, int) else float, lo, hi)
+        elif isinstance(default, str):
+            if not isinstance(v, str):
+                raise L47Error(where, name, "a string", repr(v))
+            kw[f.name] = v
+        elif isinstance(default, tuple):
+            if not isinstance(v, list) or not v:
+                raise L47Error(where, name, "a non-empty list of numbers", repr(v))
+            kw[f.name] = [_num(Path(str(where)), f"{name}[{i}]", x, float, lo, hi) for i, x in enumerate(v)]
+        else:
+            kw[f.name] = v
+    return cls(**{**kw, **(fixed or {})}), rest
 
 
 def _num(where: Path, name: str, v: Any, kind: type, lo: float | None = None, hi: float | None = None):
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
     if not ok or (kind is float and not math.isfinite(v)):
-        raise L47Error(where, name, "an integer" if kind is int else "a finite number", f"{v!r}")
+        found = f"{type(v).__name__} {v!r}" if isinstance(v, str) else f"{v!r}"
+        raise L47Error(where, name, "an integer" if kind is int else "a finite number", found)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"a value in [{lo}, {hi}]" if hi is not None else f"a value >= {lo}"
-        raise L47Error(where, name, rng, f"{v!r}")
+        raise L47Error(where, name, _range_text(lo, hi), f"{v!r}")
     return kind(v)
 
 
@@ -146,13 +214,16 @@ def _paths(where: Path, name: str, v: Any, base: Path, missing: list[str]) -> tu
 
 def parse_thresholds(d: dict, where: Path | str = "thresholds") -> Thresholds:
     where = Path(where)
+    if not isinstance(d, dict):
+        raise L47Error(where, "thresholds", "a table [thresholds]", f"{type(d).__name__} {d!r:.60}")
     valid = [f.name for f in fields(Thresholds)]
     _unknown(where, "[thresholds]", d, valid)
     kw = {}
     for f in fields(Thresholds):
         if f.name in d:
             kind = int if isinstance(f.default, int) else float
-            kw[f.name] = _num(where, f"thresholds.{f.name}", d[f.name], kind)
+            lo, hi = THRESHOLD_RANGES.get(f.name, (None, None))
+            kw[f.name] = _num(where, f"thresholds.{f.name}", d[f.name], kind, lo, hi)
     return Thresholds(**kw)
 
 
@@ -160,7 +231,7 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
     """Parse and validate an experiment TOML (docs/EXPERIMENT.md)."""
     path = Path(path)
     if not path.is_file():
-        raise L47Error(path, "file", "an experiment TOML file", "missing")
+        raise L47Error(path, "file", "an experiment TOML file", "a directory" if path.is_dir() else "missing")
     try:
         d = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

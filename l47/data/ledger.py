@@ -67,8 +67,11 @@ def _check_sha(v, field: str, where) -> str:
     return v
 
 
-def _parse(path: Path, base_sha256: str) -> list[LedgerEntry]:
-    """Every entry of an existing ledger; L47Error naming the line for anything else."""
+def _parse(path: Path, base_sha256: str | None) -> list[LedgerEntry]:
+    """Every entry of an existing ledger; L47Error naming the line for anything else (base_sha256 None: a
+    ledger of any base model)."""
+    if not path.is_file():
+        raise L47Error(path, "ledger", "a JSON-lines ledger file", "a directory" if path.is_dir() else "not a file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -83,7 +86,7 @@ def _parse(path: Path, base_sha256: str) -> list[LedgerEntry]:
     if not isinstance(head, dict) or head.get("schema") != LEDGER_SCHEMA:
         raise L47Error(path, "line 1 (header)", f'{{"schema": "{LEDGER_SCHEMA}", "base_sha256": …}} (an l47 '
                        "ledger)", f"{lines[0][:80]!r}")
-    if head.get("base_sha256") != base_sha256:
+    if base_sha256 is not None and head.get("base_sha256") != base_sha256:
         raise L47Error(path, "line 1 base_sha256", f"{base_sha256[:16]}… (the base model being scored)",
                        f"{str(head.get('base_sha256'))[:16]}… (a ledger for another base model)")
     out = []
@@ -105,6 +108,14 @@ def _parse(path: Path, base_sha256: str) -> list[LedgerEntry]:
             raise L47Error(path, f"line {i}", f"a JSON object with {', '.join(_ENTRY_FIELDS)}",
                            f"{line[:80]!r} ({type(e).__name__}: {e})") from None
     return out
+
+
+def check_ledger_file(path: Path | str) -> None:
+    """A named ledger, before any work: an existing file must be an l47 ledger (header and every entry valid);
+    which base model it belongs to is checked when the command opens it (`Ledger.open`)."""
+    path = Path(path)
+    if path.exists():
+        _parse(path, None)
 
 
 class Ledger:

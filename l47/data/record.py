@@ -102,9 +102,11 @@ class SolveClaims:
     train_p_rejected: PRejected | None = None  # at the record's slop positions
     dev_p_rejected: PRejected | None = None  # at the dev events
     background_kl_exact: float | None = None  # mean KL(base ‖ bundle) at the record's background positions
-    background_kl_predicted: float | None = None  # the solver's own prediction of the same (WFLD: K-FAC)
+    background_kl_predicted: float | None = None  # the solver's own prediction of the same (WFLD: its KL model)
     anchors: AnchorClaims | None = None
     convergence: Convergence | None = None
+    feasibility: dict | None = None  # the plan made before solving (solvers/plan.py FeasibilityPlan, as JSON)
+    anchor_choice: dict | None = None  # anchors thinned to the budget: kept, rank, budget (solvers/anchors.py)
     method: dict = field(default_factory=dict)  # the solver's own diagnostics (free form, never re-derived)
 
     def flat(self) -> Iterator[tuple[tuple[str, ...], object]]:
@@ -159,6 +161,7 @@ class SolveRecord:
     claims: SolveClaims
     schema: int = RECORD_SCHEMA
     notes: list[str] = field(default_factory=list)
+    numerics: dict = field(default_factory=dict)  # head precision used and its measured error (Numerics.record)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -182,6 +185,7 @@ def read_record(path: Path) -> SolveRecord:
             base_sha256=d["base_sha256"], bundle_sha256=d["bundle_sha256"], target=d["target"], config=d["config"],
             inputs=[InputFile(**x) for x in d["inputs"]], touched=[Touched(**x) for x in d["touched"]],
             claims=SolveClaims.from_dict(d["claims"]), schema=RECORD_SCHEMA, notes=list(d.get("notes", [])),
+            numerics=dict(d.get("numerics", {})),
         )
     except (KeyError, TypeError) as e:
         raise L47Error(path, "solve record", "every field of SolveRecord", f"{type(e).__name__}: {e}") from None

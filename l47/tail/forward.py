@@ -13,15 +13,15 @@ Equations (DESIGN §1, checked against transformers' Qwen4Exp):
     xn_c = R'_c ⊙ w_onorm_c · rsqrt(mean_d R'_c² + eps)      [T, hc, n]
     lo   = silu((W_odown · flat(xn)) / hc)                    [T, r]      flat: stream-major c·n + d
     mix  = (1/hc) Σ_c xn_c ⊙ σ(W_oup · lo)_c                  [T, n]
-    logits = W_out · mix (· output.scale)                     [T, V]
+    logits = W_out · mix                                      [T, V]      W_out with output.scale folded in
 
 Precision: every matmul and elementwise step in f32; every reduction over the vocabulary (log-sum-exp,
-entropy, KL, expectations) accumulated in f64 across chunks.
+entropy, KL, expectations) is the one streaming accumulator of l47.tail.stream (f64 across chunks; the head
+GEMM in the run's precision, `w.numerics`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from l47.model.weights import TailWeights, as_f32
-
-DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [T, C] f32 temporaries stay small
+from l47.tail import stream
+from l47.tail.stream import DEFAULT_CHUNK, Streamed, head_logits, stream_head
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -75,25 +75,16 @@ def mix_of_dump(dump, w: TailWeights, W_sd=None, dW=None, rows=None) -> torch.Te
 
 
 def head_chunk(mix: torch.Tensor, w: TailWeights, lo: int, hi: int) -> torch.Tensor:
-    """Logits for vocabulary rows lo..hi-1: [T, C] f32."""
-    z = mix @ w.head[lo:hi].T  # [T, C]
-    if w.head_scale is not None:
-        z = z * (w.head_scale if w.head_scale.numel() == 1 else w.head_scale[lo:hi])
-    return z
+    """Logits for vocabulary rows lo..hi-1: [T, C] f32 (in the run's head precision, l47.tail.stream)."""
+    return head_logits(mix, w.head, lo, hi, w.numerics)
 
 
 def logits_at(mix: torch.Tensor, w: TailWeights, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of chosen token ids. ids [k] -> [T, k]; ids [T, k] -> [T, k] (per-position ids). Differentiable."""
+    """Logits of chosen token ids. ids [k] -> [T, k]; ids [T, k] -> [T, k] (per-position ids). f32, differentiable."""
     ids = torch.as_tensor(ids, dtype=torch.long, device=mix.device)
     if ids.ndim == 1:
-        z = mix @ w.head[ids].T  # [T, k]
-        if w.head_scale is not None:
-            z = z * (w.head_scale if w.head_scale.numel() == 1 else w.head_scale[ids])
-        return z
-    z = torch.einsum("tn,tkn->tk", mix, w.head[ids])  # [T, k]
-    if w.head_scale is not None:
-        z = z * (w.head_scale if w.head_scale.numel() == 1 else w.head_scale[ids])
-    return z
+        return mix @ w.head[ids].T  # [T, k]
+    return torch.einsum("tn,tkn->tk", mix, w.head[ids])  # [T, k]
 
 
 def full_logits(mix: torch.Tensor, w: TailWeights) -> torch.Tensor:
@@ -134,64 +125,22 @@ class PairedStats:
     dp: np.ndarray  # [T] f64  p_new(target) − p_base(target)
 
 
-def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row dot products [T] of two [T, C] tensors as a batched matmul (no [T, C] product temporary)."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
-
-
-class _Acc:
-    """Running per-row log-sum-exp accumulators over vocabulary chunks (online max rescaling, f64 sums)."""
-
-    def __init__(self, T: int, k: int, device, dtype=torch.float32):
-        self.m = torch.full((T,), -math.inf, dtype=torch.float64, device=device)  # running max
-        self.s = torch.zeros(T, dtype=torch.float64, device=device)  # Σ exp(z − m)
-        self.sz = torch.zeros(T, dtype=torch.float64, device=device)  # Σ exp(z − m)·z (entropy)
-        self.top_v = torch.full((T, k), -math.inf, dtype=dtype, device=device)
-        self.top_i = torch.zeros((T, k), dtype=torch.long, device=device)
-        self.k = k
-
-    def update(self, z: torch.Tensor, lo: int):
-        """Fold chunk logits z [T, C] in; returns exp(z − m_new) [T, C], the rescale factor [T] f64 and Σ e·z [T]."""
-        cm, ci = z.max(1)  # [T] chunk max and its index (argmax for k = 1 without a top-k kernel)
-        m_new = torch.maximum(self.m, cm.double())
-        alpha = torch.exp(self.m - m_new)  # [T] rescale of previous sums (exp(-inf) = 0 on first chunk)
-        e = torch.exp(z - m_new.to(z.dtype)[:, None])  # [T, C] f32
-        self.s = self.s * alpha + e.sum(1, dtype=torch.float64)
-        ez = rowdot(e, z)  # [T] Σ e·z without a [T, C] temporary
-        self.sz = self.sz * alpha + ez.double()
-        self.m = m_new
-        if self.k == 1:
-            v, i = cm[:, None], ci[:, None]
-        else:
-            v, i = torch.topk(z, min(self.k, z.shape[1]), dim=1)  # [T, k]
-        allv = torch.cat([self.top_v, v], 1)
-        alli = torch.cat([self.top_i, i + lo], 1)
-        # earlier chunks first in the concatenation and a stable sort: ties keep the lowest id, as argmax does
-        order = torch.sort(allv, dim=1, descending=True, stable=True).indices[:, : self.k]
-        self.top_v = torch.gather(allv, 1, order)
-        self.top_i = torch.gather(alli, 1, order)
-        return e, alpha, ez
-
-    @property
-    def lse(self) -> torch.Tensor:
-        return self.m + torch.log(self.s)
-
-    @property
-    def entropy(self) -> torch.Tensor:
-        return self.lse - self.sz / self.s
-
-
-def _finish(acc: _Acc, z_target: torch.Tensor, sets: dict[str, torch.Tensor]) -> HeadStats:
-    lse = acc.lse
+def _finish(st: Streamed, z_target: torch.Tensor, sets: dict[str, torch.Tensor]) -> HeadStats:
+    """HeadStats (numpy) of one pass; log p = logit − lse in f64 on the CPU."""
+    lse = st.lse.cpu()
     return HeadStats(
-        lse=lse.cpu().numpy(),
-        logp_target=(z_target.double() - lse).cpu().numpy(),
-        argmax=acc.top_i[:, 0].cpu().numpy(),
-        top_ids=acc.top_i.cpu().numpy(),
-        top_logp=(acc.top_v.double() - lse[:, None]).cpu().numpy(),
-        entropy=acc.entropy.cpu().numpy(),
-        set_logp={k: (v.double() - lse[:, None]).cpu().numpy() for k, v in sets.items()},
+        lse=lse.numpy(),
+        logp_target=(z_target.cpu().double() - lse).numpy(),
+        argmax=st.top_i[:, 0].cpu().numpy(),
+        top_ids=st.top_i.cpu().numpy(),
+        top_logp=(st.top_v.cpu().double() - lse[:, None]).numpy(),
+        entropy=st.entropy.cpu().numpy(),
+        set_logp={k: (v.cpu().double() - lse[:, None]).numpy() for k, v in sets.items()},
     )
+
+
+def _set_logits(mix, w, token_sets: dict | None) -> dict[str, torch.Tensor]:
+    return {k: logits_at(mix, w, torch.as_tensor(list(v), dtype=torch.long)) for k, v in (token_sets or {}).items()}
 
 
 def _target_logit(mix, w, targets):
@@ -203,11 +152,8 @@ def head_stats(mix: torch.Tensor, w: TailWeights, targets, token_sets: dict | No
                chunk: int = DEFAULT_CHUNK) -> HeadStats:
     """One streamed pass over the head: lse, log p(target), argmax, top-k, entropy, log p of token sets."""
     targets = torch.tensor(np.asarray(targets), dtype=torch.long, device=mix.device)
-    acc = _Acc(mix.shape[0], topk, mix.device, mix.dtype)
-    for lo in range(0, w.V, chunk):
-        acc.update(head_chunk(mix, w, lo, min(w.V, lo + chunk)), lo)
-    sets = {k: logits_at(mix, w, torch.as_tensor(list(v), dtype=torch.long)) for k, v in (token_sets or {}).items()}
-    return _finish(acc, _target_logit(mix, w, targets), sets)
+    st = stream_head(mix, w.head, w.numerics, chunk=chunk, topk=max(topk, 1), entropy=True)
+    return _finish(st, _target_logit(mix, w, targets), _set_logits(mix, w, token_sets))
 
 
 @torch.no_grad()
@@ -218,20 +164,9 @@ def paired_stats(mix_base: torch.Tensor, mix_new: torch.Tensor, w: TailWeights, 
     T = mix_base.shape[0]
     targets = torch.tensor(np.asarray(targets), dtype=torch.long, device=mix_base.device)
     both = torch.cat([mix_base, mix_new], 0)  # [2T, n]
-    acc = _Acc(2 * T, topk, both.device, both.dtype)
-    # A = Σ exp(z_b − m_b)·(z_b − z_n), rescaled with the base rows' running max, f64
-    A = torch.zeros(T, dtype=torch.float64, device=both.device)
-    for lo in range(0, w.V, chunk):
-        z = head_chunk(both, w, lo, min(w.V, lo + chunk))  # [2T, C]
-        e, alpha, ez = acc.update(z, lo)
-        # Σ e_b·(z_b − z_n): the logit difference first (splitting it into Σe·z_b − Σe·z_n cancels
-        # catastrophically in f32), summed in f64
-        A = A * alpha[:T] + (e[:T] * (z[:T] - z[T:])).sum(1, dtype=torch.float64)
-    sets = {k: logits_at(both, w, torch.as_tensor(list(v), dtype=torch.long)) for k, v in (token_sets or {}).items()}
-    zt = _target_logit(both, w, torch.cat([targets, targets]))
-    allst = _finish(acc, zt, sets)
-    lse = acc.lse
-    kld = (A / acc.s[:T] - lse[:T] + lse[T:]).clamp_min(0.0)  # KL ≥ 0; clamp only rounding below zero
+    st = stream_head(both, w.head, w.numerics, chunk=chunk, topk=max(topk, 1), entropy=True, pairs=T)
+    allst = _finish(st, _target_logit(both, w, torch.cat([targets, targets])), _set_logits(both, w, token_sets))
+    kld = st.kl.clamp_min(0.0)  # KL ≥ 0; clamp only rounding below zero
     base, new = _split(allst, T)
     dlogp = new.logp_target - base.logp_target
     return PairedStats(base=base, new=new, kld=kld.cpu().numpy(), dlogp=dlogp,
@@ -269,95 +204,18 @@ def score_pair(w: TailWeights, dump, W_sd_new: torch.Tensor, *, token_ids: dict 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# differentiable path (for the solvers): streamed log-sum-exp and KL with recomputing backward passes
-
-
-class _StreamedLSE(torch.autograd.Function):
-    """lse(mix·W_outᵀ) [T] without keeping [T, V]; backward: ∂lse/∂mix = E_p[W_out row] (recomputed)."""
-
-    @staticmethod
-    def forward(ctx, mix, head, scale, chunk):
-        acc_m = torch.full((mix.shape[0],), -math.inf, dtype=torch.float64, device=mix.device)
-        acc_s = torch.zeros(mix.shape[0], dtype=torch.float64, device=mix.device)
-        for lo in range(0, head.shape[0], chunk):
-            z = mix @ head[lo:lo + chunk].T
-            if scale is not None:
-                z = z * (scale if scale.numel() == 1 else scale[lo:lo + chunk])
-            m_new = torch.maximum(acc_m, z.max(1).values.double())
-            acc_s = acc_s * torch.exp(acc_m - m_new) + torch.exp(z - m_new.to(z.dtype)[:, None]).sum(1, dtype=torch.float64)
-            acc_m = m_new
-        lse = acc_m + torch.log(acc_s)
-        ctx.save_for_backward(mix, head, lse, scale if scale is not None else torch.empty(0))
-        ctx.chunk, ctx.has_scale = chunk, scale is not None
-        return lse.to(mix.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        mix, head, lse, scale = ctx.saved_tensors
-        grad = torch.zeros_like(mix)
-        for lo in range(0, head.shape[0], ctx.chunk):
-            hcnk = head[lo:lo + ctx.chunk]
-            sc = None
-            if ctx.has_scale:
-                sc = scale if scale.numel() == 1 else scale[lo:lo + ctx.chunk]
-            z = mix @ hcnk.T
-            if sc is not None:
-                z = z * sc
-            p = torch.exp(z.double() - lse[:, None]).to(z.dtype)  # [T, C]
-            if sc is not None:
-                p = p * sc
-            grad += p @ hcnk
-        return grad * g[:, None], None, None, None
+# differentiable path (for the solvers): streamed log-sum-exp and KL (l47.tail.stream) on the model's head
 
 
 def streamed_lse(mix: torch.Tensor, w: TailWeights, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """Differentiable log-sum-exp over the full vocabulary [T] (f32 out, f64 inside)."""
-    return _StreamedLSE.apply(mix, w.head, w.head_scale, chunk)
-
-
-class _StreamedKL(torch.autograd.Function):
-    """KL(p_base ‖ p_new) [T] where p = softmax(mix·W_outᵀ); gradient w.r.t. mix_new only:
-    ∂KL/∂z_new = p_new − p_base -> ∂KL/∂mix_new = (p_new − p_base)·W_out (recomputed in chunks)."""
-
-    @staticmethod
-    def forward(ctx, mix_new, mix_base, head, chunk):
-        both = torch.cat([mix_base, mix_new], 0)
-        T = mix_base.shape[0]
-        m = torch.full((2 * T,), -math.inf, dtype=torch.float64, device=both.device)
-        s = torch.zeros(2 * T, dtype=torch.float64, device=both.device)
-        A = torch.zeros(T, dtype=torch.float64, device=both.device)
-        for lo in range(0, head.shape[0], chunk):
-            z = both @ head[lo:lo + chunk].T
-            m_new = torch.maximum(m, z.max(1).values.double())
-            alpha = torch.exp(m - m_new)
-            e = torch.exp(z - m_new.to(z.dtype)[:, None])
-            s = s * alpha + e.sum(1, dtype=torch.float64)
-            A = A * alpha[:T] + (e[:T] * (z[:T] - z[T:])).sum(1, dtype=torch.float64)
-            m = m_new
-        lse = m + torch.log(s)
-        ctx.save_for_backward(mix_new, mix_base, head, lse)
-        ctx.chunk = chunk
-        return (A / s[:T] - lse[:T] + lse[T:]).to(mix_new.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        mix_new, mix_base, head, lse = ctx.saved_tensors
-        T = mix_base.shape[0]
-        grad = torch.zeros_like(mix_new)
-        for lo in range(0, head.shape[0], ctx.chunk):
-            hcnk = head[lo:lo + ctx.chunk]
-            pn = torch.exp((mix_new @ hcnk.T).double() - lse[T:, None])
-            pb = torch.exp((mix_base @ hcnk.T).double() - lse[:T, None])
-            grad += (pn - pb).to(hcnk.dtype) @ hcnk
-        return grad * g[:, None], None, None, None
+    """Differentiable log-sum-exp over the full vocabulary [T] (mix's dtype out, f64 inside)."""
+    return stream.streamed_lse(mix, w.head, w.numerics, chunk)
 
 
 def streamed_kl(mix_new: torch.Tensor, mix_base: torch.Tensor, w: TailWeights,
                 chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """Differentiable KL(base ‖ new) per position [T] over the full vocabulary (no output.scale support)."""
-    if w.head_scale is not None:
-        raise NotImplementedError("streamed_kl with output.scale")
-    return _StreamedKL.apply(mix_new, mix_base.detach(), w.head, chunk)
+    """Differentiable KL(base ‖ new) per position [T] over the full vocabulary (gradient to mix_new only)."""
+    return stream.streamed_kl(mix_new, mix_base, w.head, w.numerics, chunk)
 
 
 def logp_at(mix: torch.Tensor, w: TailWeights, ids, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:

@@ -1,0 +1,391 @@
+"""`l47 init DIR --model M.gguf --phrase "..."`: a new experiment folder — a commented experiment.toml with every
+key, its default and its meaning, the folders a user fills in, and the commands to run next.
+
+One schema (`SCHEMA`) describes every key the experiment file and `l47 solve` accept: the defaults are read from
+the parsers' own dataclasses (Thresholds, SolveConfig, WfldConfig, FtpoConfig), the meanings are written here.
+tests/test_init.py checks that the schema covers exactly the keys the parsers accept, that the file written
+here parses, and that docs/EXPERIMENT.md's tables and TOML examples agree with it.
+
+Layout written (DIR/):
+    experiment.toml         the experiment (relative paths resolve against DIR)
+    prompts/chats.jsonl     prompts for the model's own generations -> dumps/generated/ (the train/dev/heldout pool)
+    texts/<set>.jsonl       documents of every other set -> dumps/<set>/
+    dumps/                  written by `l47 dump`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from l47.errors import L47Error
+
+
+@dataclass(frozen=True)
+class Key:
+    table: str  # "" (top level), "sets", "split", "phrases", "collateral", "thresholds", "solver", "solver.wfld", ...
+    name: str
+    type: str
+    default: object  # None: no default (required or optional without one)
+    meaning: str
+
+
+# the sets a user fills (set name -> what belongs there)
+SET_MEANINGS = {
+    "train": "natural documents with slop events, read by the solver (with [split], from the pool)",
+    "dev": "same kind as train, other documents: the solver's tuning and early stopping",
+    "heldout": "slop events the solver never sees, in other documents: audit bar (c)",
+    "collateral_anchor": "natural text with ordinary uses of the final words: protected by the solver",
+    "collateral_eval": "same kind, other documents: audit bar (d)",
+    "background": "plain and chat-formatted text: the solver's background KL",
+    "chat_heldout": "multi-turn chat with <think> blocks and turn ends: audit bars (f), (g)",
+    "blind": "one fresh chat nobody tuning the solver has seen: `l47 audit --blind`",
+}
+
+THRESHOLD_MEANINGS = {
+    "non_event_p": "base p(final token) below this: a non-event, reported apart",
+    "heldout_frac": "share of events held out, by document",
+    "min_heldout_per_phrase": "(c) held-out events per phrase: a bar (lowering it marks the report weakened)",
+    "collateral_min_total": "collateral occurrences needed in collateral_eval",
+    "collateral_min_per_word": "... and per word",
+    "slop_reduction": "(c) held-out mean p(rejected) reduced by at least this",
+    "collateral_word_mean": "(d) per-word mean Δlog p (nats) at least this",
+    "collateral_frac_below": "(d) at most this share of occurrences ...",
+    "collateral_below": "... below this Δlog p (nats)",
+    "kld_max": "(e) KLD per domain",
+    "chat_ordinary_dlogp": "(g) ordinary-token mean Δlog p on the held-out chat",
+    "chat_kld": "(g) its KLD",
+    "im_end_dlogp": "(f) mean Δlog p(<|im_end|>) at real turn ends",
+    "special_rise_tol": "(f) largest allowed rise of Σ p(special) at slop positions",
+    "blind_residual_factor": "blind slop residual ≤ this × the dev report's",
+    "blind_residual_abs": "blind slop residual ≤ this per phrase present (absolute)",
+    "overlap_window": "content tokens shared with a training document that make a copy",
+    "zero_proxy_tol": "engine vs tail forward agreement, relative",
+    "ce_proxy_frac": "natural text: base CE ≤ this · ln V",
+    "salad_ngram": "n of the word n-gram repetition guard",
+    "salad_max_ngram_repeat": "share of word n-grams repeating an earlier one",
+    "salad_max_dup_lines": "share of near-duplicate lines",
+    "sampler_max_violation_frac": "share of generated tokens outside the recorded sampler's support",
+    "sampler_tol": "nats of slack in that check",
+}
+
+SOLVER_MEANINGS = {
+    "method": "wfld (closed form) | ftpo (training); --method overrides",
+    "seed": "the solve's seed",
+    "max_background": "background positions used (evenly spread)",
+    "max_anchors_per_word": "> 0: protect at most this many collateral contexts per word; each exact anchor uses "
+                            "one direction of the shared-expert width f, so keep anchors + events well below f",
+    "protect_turn_ends": "real turn ends (<|im_end|> targets) of the solver's chats are exact anchors too",
+    "n_chosen": "natural alternatives per event the freed mass goes to",
+    "anchors_budget": "share of f exact anchors may use; beyond it they are thinned by span (turn ends kept)",
+    "target_residual": "aimed p(rejected) after / before per phrase, in (0, 1) (l47 plan checks it)",
+    "kl_budget": "nats of mean background KL (> 0); 0 = half the tightest KLD bar",
+    "wfld": "table [solver.wfld] (below)",
+    "ftpo": "table [solver.ftpo] (below)",
+}
+
+WFLD_MEANINGS = {
+    "margin": "nats, times the phrase's margin_scale: ℓ_rejected − ℓ_chosen drops by this",
+    "p_cap": "> 0: also an absolute margin, p(rejected) ≤ p_cap after the edit",
+    "max_step": "nats a constraint's target moves per Gauss–Newton step at most",
+    "step_sizes": "backtracking fractions of each Gauss–Newton step",
+    "delta_cho": "nats; > 0 so freed mass goes to natural alternatives",
+    "n_chosen": "alternatives per event",
+    "ridge": "ρ, relative to mean(γ)·mean(α)",
+    "bg_weight": "β, weight of the background KL",
+    "fisher_topk": "top-K Fisher factors of the head",
+    "fisher_tail_samples": "sampled tokens per position for the Fisher outside the top-K",
+    "refresh_fisher": "re-measure the Fisher at every Gauss–Newton point (slower)",
+    "kl_retries": "re-solves of a step whose exact KL is outside ½–2× the prediction",
+    "kl_floor": "nats: below this predicted and exact KL are not compared",
+    "gn_iters": "Gauss–Newton steps at most",
+    "gn_tol": "nats: |exact − linear prediction| of every constraint",
+    "anchor_tol": "relative singular-value cut of the anchors' span",
+    "max_removed": "an event whose key loses more than this to the protected span is infeasible",
+    "special_constraints": "keep Σ p(special) from rising at slop positions",
+    "special_margin": "nats: Δℓ_special ≤ −special_margin",
+}
+
+FTPO_MEANINGS = {
+    "margin": "nats of the preference margin",
+    "taper": "τ of the margin taper",
+    "lr": "learning rate",
+    "steps": "training steps",
+    "weight_decay": "AdamW weight decay",
+    "lambda_tether": "weight of the tether to the base distribution",
+    "lambda_kl": "weight of the background KL",
+    "lambda_coll": "weight of the collateral penalty",
+    "lambda_special": "weight of the special-token penalty",
+    "lambda_ridge": "ridge on ΔW",
+    "tether_topk": "top-k tokens of the tether",
+    "kl_budget": "background KL budget",
+    "eval_every": "steps between dev evaluations",
+    "seed": "training seed",
+}
+
+
+def _fields(cls) -> dict[str, object]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+        else:
+            out[f.name] = None
+    return out
+
+
+def _typename(v) -> str:
+    return {bool: "bool", int: "integer", float: "number", str: "string", tuple: "array"}.get(type(v), "table")
+
+
+def schema() -> list[Key]:
+    """Every key of the experiment file, defaults from the parsers' dataclasses."""
+    from l47.data import experiment as E
+    from l47.solvers.ftpo import FtpoConfig
+    from l47.solvers.solve import SolveConfig
+    from l47.solvers.wfld import WfldConfig
+
+    keys = [
+        Key("", "name", "string", None, "shown in reports (default: the file's stem)"),
+        Key("", "model", "path", None, "base GGUF (or --model on the command line)"),
+        Key("", "vocab", "string", "auto", "auto: the GGUF's tokenizer | gguf | qwen36"),
+        Key("", "policy", "string", "strata", "runtime weight policy of the tail forward: strata | exact"),
+    ]
+    keys += [Key("sets", s, "paths", None, SET_MEANINGS[s]) for s in E.SETS]
+    keys.append(Key("sets", E.KLD, "table", None, "[sets.kld] domain = [paths]: one KLD set per domain, bar (e)"))
+    keys += [Key("split", "pool", "paths", None, "dumps split by document into train / dev / heldout"),
+             Key("split", "seed", "integer", 0, "the split's seed (keyed by document content)")]
+    keys += [Key("split", s, "number", E.DEFAULT_FRACTIONS[s], f"target share of events in {s}")
+             for s in E.SPLIT_SETS]
+    keys += [Key("phrases", "text", "string", None, "a banned phrase (plain text; variants are generated)"),
+             Key("phrases", "margin_scale", "number", _fields(E.Phrase)["margin_scale"],
+                 "scales the solver's margin for this phrase (< 1 where the final word is often legitimate)")]
+    keys.append(Key("collateral", "words", "strings", None,
+                    "one-token words whose ordinary uses must not move (default: the phrases' final tokens)"))
+    th = _fields(E.Thresholds)
+    keys += [Key("thresholds", k, _typename(v), v, THRESHOLD_MEANINGS.get(k, "")) for k, v in th.items()]
+    sc = _fields(SolveConfig)
+    sc["method"] = "wfld"
+    for k in E_SOLVER_KEYS():
+        if k in ("wfld", "ftpo"):
+            keys.append(Key("solver", k, "table", None, SOLVER_MEANINGS.get(k, "")))
+        else:
+            keys.append(Key("solver", k, _typename(sc.get(k)), sc.get(k), SOLVER_MEANINGS.get(k, "")))
+    keys += [Key("solver.wfld", k, _typename(v), v, WFLD_MEANINGS.get(k, "")) for k, v in _fields(WfldConfig).items()]
+    keys += [Key("solver.ftpo", k, _typename(v), v, FTPO_MEANINGS.get(k, "")) for k, v in _fields(FtpoConfig).items()]
+    return keys
+
+
+def E_SOLVER_KEYS() -> tuple[str, ...]:  # noqa: N802 - the solver's accepted [solver] keys
+    from l47.solvers.solve import COMMON_KEYS
+
+    return tuple(COMMON_KEYS)
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the folder
+
+PROMPTS = "prompts/chats.jsonl"
+TEXT_SETS = ("collateral_anchor", "collateral_eval", "background", "chat_heldout", "blind")
+
+
+@dataclass(frozen=True)
+class InitArgs:
+    folder: Path
+    model: Path
+    phrases: tuple[str, ...]
+    words: tuple[str, ...] = ()
+    kld: tuple[str, ...] = ("prose",)
+    name: str | None = None
+    method: str = "wfld"
+    settings: tuple[str, ...] = ()  # "table.key=value" (TOML value), e.g. "solver.wfld.p_cap=0.35"
+
+
+@dataclass(frozen=True)
+class InitResult:
+    folder: str
+    experiment: str
+    files_to_fill: tuple[str, ...]
+    commands: tuple[str, ...]
+
+
+def next_commands(model: str, kld: tuple[str, ...]) -> list[str]:
+    """What to run in the folder after filling it (docs: README's walk)."""
+    cmds = [f"l47 dump {PROMPTS} --model {model} --out dumps/generated --generate"]
+    cmds += [f"l47 dump texts/{s}.jsonl --model {model} --out dumps/{s}" for s in TEXT_SETS]
+    cmds += [f"l47 dump texts/kld_{d}.jsonl --model {model} --out dumps/kld_{d}" for d in kld]
+    cmds += ["l47 sets experiment.toml --json sets.json",
+             "l47 solve experiment.toml --sets sets.json --out bundle.gguf",
+             f"l47 audit bundle.gguf --base {model} --experiment experiment.toml --out audit",
+             f"l47 audit bundle.gguf --base {model} --experiment experiment.toml --out audit-blind "
+             "--blind dumps/blind/blind.safetensors --dev-report audit/report.json"]
+    return cmds
+
+
+def parse_settings(settings) -> dict[tuple[str, str], object]:
+    """--set "table.key=value" -> {(table, key): value}; the key must be a schema key with a default (a scalar
+    setting), the value TOML (a bare word is read as a string)."""
+    import tomllib
+
+    known = {(k.table, k.name): k for k in schema() if k.default is not None}
+    out = {}
+    for item in settings:
+        path, sep, raw = item.partition("=")
+        table, _, name = path.strip().rpartition(".")
+        if not sep or (table, name) not in known:
+            raise L47Error("l47 init", f"--set {item}", "table.key=value for a key with a default "
+                           "(docs/EXPERIMENT.md), e.g. solver.wfld.p_cap=0.35", repr(path.strip()))
+        try:
+            v = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            v = raw.strip()
+        out[(table, name)] = v
+    return out
+
+
+def _comment(meaning: str) -> str:
+    return f"  # {meaning}" if meaning else ""
+
+
+def render_experiment(args: InitArgs, model_str: str) -> str:
+    """The commented experiment.toml: given values active, every other key commented out at its default."""
+    keys = schema()
+    by = lambda t: [k for k in keys if k.table == t]  # noqa: E731
+    given = parse_settings(args.settings)
+
+    def line(k: Key) -> str:  # a default (commented) or a --set value (active)
+        if (k.table, k.name) in given:
+            return f"{k.name} = {toml_value(given[(k.table, k.name)])}{_comment(k.meaning)}"
+        return f"# {k.name} = {toml_value(k.default)}{_comment(k.meaning)}"
+    L = ["# l47 experiment file (docs/EXPERIMENT.md). Every key is listed: active lines are set, commented lines",
+         "# show the default. Paths are relative to this file's folder; glob patterns are expanded.",
+         "#",
+         "# Fill in prompts/ and texts/ (JSONL: {\"id\": ..., \"text\": ...} or {\"id\": ..., \"messages\": [...]}),",
+         "# then run, in this folder:"]
+    L += [f"#   {c}" for c in next_commands(model_str, args.kld)]
+    L += ["", f"name = {toml_value(args.name or args.folder.name)}", f"model = {toml_value(model_str)}"]
+    for k in by(""):
+        if k.name not in ("name", "model"):
+            L.append(line(k))
+    L += ["", "[sets]  # set name = dump paths; every document in one set only"]
+    for k in by("sets"):
+        if k.name in TEXT_SETS:
+            L.append(f"{k.name} = [\"dumps/{k.name}/*.safetensors\"]{_comment(k.meaning)}")
+        elif k.name != "kld":
+            L.append(f"# {k.name} = []{_comment(k.meaning)}  (or from [split])")
+    L += ["", "[sets.kld]  # one KLD set per domain, bar (e)"]
+    L += [f"{d} = [\"dumps/kld_{d}/*.safetensors\"]" for d in args.kld]
+    L += ["", "[split]  # the model's own generations, split by document"]
+    for k in by("split"):
+        if k.name == "pool":
+            L.append(f"pool = [\"dumps/generated/*.safetensors\"]{_comment(k.meaning)}")
+        else:
+            L.append(line(k))
+    for p in args.phrases:
+        L += ["", "[[phrases]]", f"text = {toml_value(p)}",
+              f"# margin_scale = 1.0{_comment(by('phrases')[1].meaning)}"]
+    L += ["", "[collateral]"]
+    if args.words:
+        L.append(f"words = {toml_value(list(args.words))}{_comment(by('collateral')[0].meaning)}")
+    else:
+        L.append(f"# words = []{_comment(by('collateral')[0].meaning)}")
+    L += ["", "[thresholds]  # the bars; defaults are the seed's numbers"]
+    L += [line(k) for k in by("thresholds")]
+    L += ["", "[solver]", f"method = {toml_value(args.method)}{_comment(SOLVER_MEANINGS['method'])}"]
+    L += [line(k) for k in by("solver") if k.name not in ("method", "wfld", "ftpo")]
+    for sub in ("solver.wfld", "solver.ftpo"):
+        L += ["", f"[{sub}]"]
+        L += [line(k) for k in by(sub)]
+    return "\n".join(L) + "\n"
+
+
+def _model_str(folder: Path, model: Path) -> str:
+    m = Path(model).resolve()
+    try:
+        return str(m.relative_to(folder.resolve()))
+    except ValueError:
+        import os
+
+        rel = os.path.relpath(m, folder.resolve())
+        return rel if not rel.startswith(("../../../", "..\\..\\..\\")) else str(m)
+
+
+def _check_parses(text: str) -> None:
+    """The file as `l47 sets` and `l47 solve` read it (a bad --set value is refused here, nothing written)."""
+    import tempfile
+
+    from l47.data.experiment import load_experiment
+    from l47.solvers.solve import resolve_config
+
+    with tempfile.TemporaryDirectory(prefix="l47-init-") as tmp:
+        p = Path(tmp) / "experiment.toml"
+        p.write_text(text, encoding="utf-8")
+        try:
+            exp = load_experiment(p, check_files=False)
+            resolve_config(exp.solver, None, "experiment.toml")
+        except L47Error as e:
+            raise L47Error("l47 init", f"--set ({e.field})", e.expected, e.found) from None
+        except (TypeError, ValueError) as e:
+            raise L47Error("l47 init", "--set", "values of the keys' types", str(e)) from None
+
+
+def run_init(args: InitArgs) -> InitResult:
+    """Validate, then write the folder (never over an existing experiment.toml)."""
+    from l47.fileio import write_text_atomic
+
+    folder = Path(args.folder)
+    exp = folder / "experiment.toml"
+    if exp.exists():
+        raise L47Error(exp, "file", "a folder without an experiment.toml (init never overwrites)", "exists")
+    if folder.exists() and not folder.is_dir():
+        raise L47Error(folder, "folder", "a folder (or a new path)", "a file")
+    if not Path(args.model).is_file():
+        raise L47Error(args.model, "--model", "the base GGUF (l47 export writes one)", "no such file")
+    if not args.phrases or not all(p.strip() for p in args.phrases):
+        raise L47Error("l47 init", "--phrase", "at least one non-blank phrase", repr(list(args.phrases)))
+    for d in args.kld:
+        if not d.replace("_", "").isalnum():
+            raise L47Error("l47 init", "--kld", "a domain name of letters, digits and _", repr(d))
+    from l47.solvers.solve import METHODS
+
+    if args.method not in METHODS:
+        raise L47Error("l47 init", "--method", f"one of {METHODS}", repr(args.method))
+    model_str = _model_str(folder, args.model)
+    text = render_experiment(args, model_str)
+    _check_parses(text)
+    fill = [PROMPTS] + [f"texts/{s}.jsonl" for s in TEXT_SETS] + [f"texts/kld_{d}.jsonl" for d in args.kld]
+    for sub in ("prompts", "texts", "dumps"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    write_text_atomic(exp, text)
+    return InitResult(str(folder), str(exp), tuple(fill), tuple(next_commands(model_str, args.kld)))
+
+
+def schema_markdown(tables=("solver", "solver.wfld", "solver.ftpo")) -> str:
+    """Markdown tables (key | default | meaning) of schema tables; docs/EXPERIMENT.md embeds this text verbatim
+    (tests/test_init.py compares it)."""
+    out = []
+    keys = schema()
+    for t in tables:
+        out += [f"`[{t}]`", "", "| key | default | meaning |", "|---|---|---|"]
+        for k in keys:
+            if k.table == t:
+                d = "—" if k.default is None else f"`{toml_value(k.default)}`"
+                out.append(f"| `{k.name}` | {d} | {k.meaning.replace('|', chr(92) + '|')} |")
+        out.append("")
+    return "\n".join(out)

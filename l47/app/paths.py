@@ -1,0 +1,405 @@
+"""One output policy for every command, checked before any work (issue 14 item 1).
+
+An output path is refused (L47Error -> exit 2) when it
+  - resolves to an input of the command (same path after resolving links, or the same inode) or to the base
+    model — never overridable;
+  - is a directory where a file is expected, or a file (or a path under a file) where a folder is expected;
+  - is an existing file that is not an l47 output of the same kind (a GGUF without l47 provenance, a TSV with
+    another header, a JSON of another schema, ...) — unless --force;
+  - lies in a folder this user cannot create or write, or on a disk whose free space is below the expected size;
+  - is named twice (two outputs of one command on the same file).
+Nothing is created here: a refused command leaves the disk as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from l47.errors import L47Error
+
+# --- kinds of output: what an existing file must look like to be overwritten without --force -----------------
+
+GGUF = "gguf"  # a bundle / overlay / transplant written by l47 (GGUF with l47.provenance.* keys)
+SCORE_TSV = "score-tsv"
+SETS_JSON = "sets-json"
+PENALTY_JSON = "penalty-json"
+BENCH_JSON = "bench-json"
+SOLVE_RECORD = "solve-record"
+LEDGER = "ledger"  # appended to: must already be a valid ledger (or absent)
+AUDIT_DIR = "audit-dir"
+DUMP_DIR = "dump-dir"
+DEMO_DIR = "demo-dir"
+DIR_KINDS = (AUDIT_DIR, DUMP_DIR, DEMO_DIR)
+
+_JSON_SNIFF_MAX = 512 << 20  # an output JSON larger than this is not one of ours
+
+
+def _head(path: Path, n: int) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(n)
+
+
+def _is_l47_gguf(path: Path) -> bool:
+    from l47.model.gguf_io import open_gguf
+    from l47.model.names import PROVENANCE_PREFIX
+
+    if _head(path, 4) != b"GGUF":
+        return False
+    try:
+        g = open_gguf(path)
+    except Exception:  # noqa: BLE001 - any unreadable GGUF is "not ours"
+        return False
+    return any(k.startswith(PROVENANCE_PREFIX) for k in g.kv)
+
+
+def _json_schema(path: Path):
+    if path.stat().st_size > _JSON_SNIFF_MAX:
+        return None
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _is_score_tsv(path: Path) -> bool:
+    from l47.app.score import TSV_BASE, TSV_PAIRED
+
+    first = _head(path, 4096).split(b"\n", 1)[0].decode("utf-8", "replace")
+    return first in ("\t".join(TSV_BASE), "\t".join(TSV_PAIRED))
+
+
+def _is_sets_json(path: Path) -> bool:
+    from l47.data.sets import SCHEMA
+
+    d = _json_schema(path)
+    return d is not None and d.get("schema") == SCHEMA
+
+
+def _is_penalty_json(path: Path) -> bool:
+    from l47.evals.penalty import PENALTY_SCHEMA
+
+    d = _json_schema(path)
+    return d is not None and d.get("schema") == PENALTY_SCHEMA
+
+
+def _is_bench_json(path: Path) -> bool:
+    d = _json_schema(path)
+    return d is not None and set(d) <= {"forward", "wfld"}
+
+
+def _is_solve_record(path: Path) -> bool:
+    d = _json_schema(path)
+    return d is not None and {"method", "base_sha256", "bundle_sha256", "touched"} <= set(d)
+
+
+def _is_ledger(path: Path) -> bool:
+    return True  # validated by check_ledger_file in check_outputs (a bad ledger is an error, not overwritten)
+
+
+def _is_audit_report(path: Path) -> bool:
+    from l47.evals.audit import AUDIT_SCHEMA
+
+    d = _json_schema(path)
+    return d is not None and d.get("schema") == AUDIT_SCHEMA
+
+
+_SNIFF: dict[str, tuple[str, Callable[[Path], bool]]] = {
+    GGUF: ("a GGUF written by l47 (with l47.provenance metadata)", _is_l47_gguf),
+    SCORE_TSV: ("a per-position TSV written by `l47 score`", _is_score_tsv),
+    SETS_JSON: ("a JSON report written by `l47 sets`", _is_sets_json),
+    PENALTY_JSON: ("a penalty spec written by `l47 penalty`", _is_penalty_json),
+    BENCH_JSON: ("a JSON written by `l47 bench`", _is_bench_json),
+    SOLVE_RECORD: ("a solve record written by `l47 solve`", _is_solve_record),
+    LEDGER: ("a scoring ledger", _is_ledger),
+}
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of a command. `option` names it in messages (e.g. "--out"); `nbytes` is the expected size for
+    the free-disk check; for a folder output, `files` are the names the command writes inside it (each must not
+    be an input either)."""
+
+    path: Path
+    kind: str
+    option: str
+    nbytes: int = 0
+    files: tuple[str, ...] = ()
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        if a.resolve() == b.resolve():
+            return True
+    except OSError:
+        pass
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _existing_ancestor(p: Path) -> Path:
+    p = Path(os.path.abspath(p))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _check_writable(o: Output, folder_wanted: bool) -> None:
+    """The path's nearest existing ancestor must be a folder this user can write, with room for o.nbytes."""
+    target = Path(o.path)
+    anc = _existing_ancestor(target if not target.exists() or not folder_wanted else target / "x")
+    if anc == Path(os.path.abspath(target)) and not folder_wanted:
+        anc = anc.parent  # an existing file: its folder is written (temp file + rename)
+    if not anc.is_dir():
+        raise L47Error(target, o.option, "a path inside a folder", f"{anc} is a file, not a folder")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise L47Error(target, o.option, "a folder this user can write", f"{anc} is not writable")
+    if o.nbytes > 0:
+        free = shutil.disk_usage(anc).free
+        if free < o.nbytes:
+            raise L47Error(target, o.option, f"at least {_fmt_bytes(o.nbytes)} free on its disk",
+                           f"{_fmt_bytes(free)} free in {anc}")
+
+
+def _refuse_inputs(p: Path, option: str, inputs: Iterable[tuple[Path, str]]) -> None:
+    if not p.exists():
+        return
+    for ip, role in inputs:
+        if ip is not None and Path(ip).exists() and _same(p, Path(ip)):
+            raise L47Error(p, option, "a new file, never one of the command's inputs",
+                           f"the {role} ({ip})")
+
+
+def check_outputs(outputs: Iterable[Output], inputs: Iterable[tuple[Path | None, str]] = (), *,
+                  force: bool = False) -> None:
+    """Apply the output policy (module docstring) to every output; raise L47Error on the first refusal.
+
+    inputs: (path, role) pairs, e.g. (model, "base model"), (dump, "dump of set train"); None entries skipped."""
+    outs = [o for o in outputs if o.path is not None]
+    ins = [(Path(p), r) for p, r in inputs if p is not None]
+    seen: list[Output] = []
+    for o in outs:
+        p = Path(o.path)
+        for s in seen:
+            if _same(Path(s.path), p) or Path(os.path.abspath(s.path)) == Path(os.path.abspath(p)):
+                raise L47Error(p, o.option, f"a path other than {s.option}'s", "the same file")
+        seen.append(o)
+        if o.kind in DIR_KINDS:
+            if p.exists() and not p.is_dir():
+                raise L47Error(p, o.option, "a folder (or a new path)", "an existing file")
+            _check_writable(o, folder_wanted=True)
+            for name in o.files:
+                _refuse_inputs(p / name, o.option, ins)
+            if o.kind == AUDIT_DIR and (p / "report.json").is_file() and not force:
+                if not _is_audit_report(p / "report.json"):
+                    raise L47Error(p / "report.json", o.option, "an audit report written by `l47 audit` to "
+                                   "replace (or --force)", "another file")
+            continue
+        if p.is_dir():
+            raise L47Error(p, o.option, "a file path", "a directory")
+        _refuse_inputs(p, o.option, ins)
+        if p.exists() and o.kind == LEDGER:
+            from l47.data.ledger import check_ledger_file
+
+            check_ledger_file(p)  # a corrupt ledger fails now, not after the work
+        elif p.exists() and not force:
+            want, sniff = _SNIFF[o.kind]
+            try:
+                ours = p.is_file() and sniff(p)
+            except OSError:
+                ours = False
+            if not ours:
+                raise L47Error(p, o.option, f"a new path or {want} (or --force to replace it)",
+                               "an existing file of another kind")
+        _check_writable(o, folder_wanted=False)
+
+
+def file_size(p: Path | None) -> int:
+    try:
+        return Path(p).stat().st_size if p is not None else 0
+    except OSError:
+        return 0
+
+
+def experiment_inputs(exp) -> list[tuple[Path, str]]:
+    """(path, role) of every file an experiment names: its own file, the model, every dump."""
+    out: list[tuple[Path, str]] = [(Path(exp.path), "experiment")]
+    if exp.model is not None:
+        out.append((Path(exp.model), "base model"))
+    out += [(Path(p), f"dump of set {s}") for s, p in exp.documents()]
+    return out
+
+
+# --- per command: the inputs and outputs each one names (called by l47.app.cli before any work) -------------
+
+
+def _exp(path):
+    from l47.data.experiment import load_experiment
+
+    return load_experiment(path)  # validated now: a bad experiment fails before any model is loaded
+
+
+def _overlay_nbytes(model: Path) -> int:
+    from l47.model.gguf_io import open_gguf
+
+    g = open_gguf(model)
+    return sum(int(i.nbytes or 0) for n, i in g.tensors.items() if n.endswith("ffn_down_shexp.weight"))
+
+
+def _models(exp, model, allow: bool) -> list[str]:
+    """Refuse dumps of another model (l47.data.identity) before any work; notes when allowed."""
+    from l47.data.identity import other_model_notes
+    from l47.model.gguf_io import open_gguf
+
+    model = model or exp.model
+    if model is None or not Path(model).is_file():
+        return []  # the command itself reports the missing model
+    try:
+        sha = open_gguf(model).sha256()
+    except L47Error:
+        return []  # not a GGUF: the command reports it
+    return other_model_notes([p for _, p in exp.documents()], sha, model, allow)
+
+
+def check_score(model, dumps, bundle, tsv, ledger, force=False) -> None:
+    ins = [(model, "base model"), (bundle, "bundle")] + [(d, "dump") for d in dumps]
+    check_outputs([Output(tsv, SCORE_TSV, "--tsv"),
+                   Output(ledger, LEDGER, "--ledger")], ins, force=force)
+
+
+def check_sets(experiment, json_out, model, ledger, force=False, allow_other_model=False) -> list[str]:
+    exp = _exp(experiment)
+    ins = experiment_inputs(exp) + [(model, "base model")]
+    json_out = None if json_out is not None and str(json_out) == "-" else json_out  # "-": stdout
+    check_outputs([Output(json_out, SETS_JSON, "--json"),
+                   Output(ledger, LEDGER, "--ledger")], ins, force=force)
+    return _models(exp, model, allow_other_model)
+
+
+def check_solve(experiment, out, model, overlay, sets_json, ledger, force=False, method="wfld",
+                allow_other_model=False) -> list[str]:
+    from l47.data.record import record_path_for
+    from l47.solvers.solve import resolve_config
+
+    exp = _exp(experiment)
+    resolve_config(exp.solver, method, str(exp.path))  # every knob checked before the model is read
+    if sets_json is not None:
+        from l47.data.sets import load_sets_report
+
+        load_sets_report(sets_json)  # a bad sets report fails now, not after the model is loaded
+    model = model or exp.model
+    ins = experiment_inputs(exp) + [(model, "base model"), (sets_json, "sets report")]
+    out = Path(out)
+    size = (_overlay_nbytes(model) if overlay else file_size(model)) if model is not None and Path(model).is_file() \
+        else 0
+    check_outputs([Output(out, GGUF, "--out", nbytes=size),
+                   Output(record_path_for(out), SOLVE_RECORD, "--out (its solve record)"),
+                   Output(ledger, LEDGER, "--ledger")], ins, force=force)
+    return _models(exp, model, allow_other_model)
+
+
+def check_transplant(overlay, base, out, force=False) -> None:
+    check_outputs([Output(out, GGUF, "OUT", nbytes=file_size(base))], [(overlay, "overlay"), (base, "base model")],
+                  force=force)
+
+
+def check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force=False,
+                allow_other_model=False) -> list[str]:
+    from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
+
+    exp = _exp(experiment)
+    ins = experiment_inputs(exp) + [(bundle, "bundle"), (base, "base model"), (blind, "blind dump"),
+                                                  (dev_report, "dev report"), (record, "solve record")]
+    ins += [(d, "engine dump") for d in engine_dumps]
+    out = Path(out)
+    check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV)),
+                   Output(ledger, LEDGER, "--ledger")], ins, force=force)
+    return _models(exp, base, allow_other_model)
+
+
+def check_penalty(experiment, out, base, bundle, force=False, bias=5.0, form="prefix-exact",
+                  allow_other_model=False, ledger=None) -> list[str]:
+    import math
+
+    from l47.evals.penalty import FORMS
+
+    exp = _exp(experiment)
+    if not (isinstance(bias, (int, float)) and math.isfinite(bias) and bias > 0):
+        raise L47Error("l47 penalty", "--bias", "a finite logit bias > 0 (subtracted from the final token)",
+                       repr(bias))
+    if form not in FORMS:
+        raise L47Error("l47 penalty", "--form", f"one of {list(FORMS)}", repr(form))
+    ins = experiment_inputs(exp) + [(base, "base model"), (bundle, "bundle")]
+    check_outputs([Output(out, PENALTY_JSON, "--out"), Output(ledger, LEDGER, "--ledger")], ins, force=force)
+    return _models(exp, base, allow_other_model)
+
+
+def check_dump(inputs, model, out) -> None:
+    if not Path(inputs).exists():
+        raise L47Error(inputs, "input", "an existing JSONL file or dataset", "nothing at that path")
+    if not Path(model).exists():
+        raise L47Error(model, "--model", "a qwen4exp GGUF or a transformers checkpoint folder", "nothing there")
+    check_outputs([Output(out, DUMP_DIR, "--out")], [(inputs, "input documents"), (model, "model")])
+
+
+def check_bench(json_out, force=False) -> None:
+    check_outputs([Output(json_out, BENCH_JSON, "--json")], force=force)
+
+
+# --- command-line options shared by several commands: checked by the CLI's wrapper before the command runs ---
+
+# option name -> (lo, hi, integer?) ; None = open
+OPTION_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "max_new_tokens": (1, None, True), "temperature": (0.0, None, False), "top_p": (0.0, 1.0, False),
+    "top_k": (0, None, True), "tolerance": (0.0, None, False), "seed": (0, None, True), "reps": (1, None, True),
+    "T": (1, None, True), "prompts": (1, None, True), "layer": (0, None, True),
+}
+
+
+def check_device(device: str, where: str = "--device") -> None:
+    """cpu, cuda[:N] (present on this machine) or mps; anything else is an input error before any work."""
+    import re
+
+    d = str(device)
+    if d == "cpu" or d == "mps":
+        return
+    m = re.fullmatch(r"cuda(?::(\d+))?", d)
+    if not m:
+        raise L47Error("l47", where, "cpu, cuda, cuda:N or mps", repr(d))
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    idx = int(m.group(1) or 0)
+    if idx >= n:
+        raise L47Error("l47", where, f"a CUDA device present on this machine ({n} found)", repr(d))
+
+
+def check_options(command: str, values: dict) -> None:
+    """Range-check the numeric options every command shares (OPTION_RANGES) and --device."""
+    import math
+
+    for name, v in values.items():
+        if name == "device" and isinstance(v, str):
+            check_device(v)
+        elif name in OPTION_RANGES and v is not None and not isinstance(v, bool) and isinstance(v, (int, float)):
+            lo, hi, _ = OPTION_RANGES[name]
+            opt = "-T" if name == "T" else "--" + name.replace("_", "-")
+            if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+                rng = (f"a value in [{lo}, {hi}]" if hi is not None else f"a value >= {lo}")
+                raise L47Error(f"l47 {command}", opt, rng, repr(v))

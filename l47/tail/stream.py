@@ -1,0 +1,316 @@
+"""The one streaming accumulator over the vocabulary: every head pass of the toolkit goes through `stream_head`.
+
+Notation used for tensor shapes:
+    R   rows (positions; for a pair of heads base rows 0..P-1 and edited rows P..2P-1)    P   pairs
+    n   hidden size    V   vocabulary    C   vocabulary chunk    k   top-k
+
+The head `W_out` [V, n] is the runtime head with `output.scale` already folded in (l47.model.weights), so every
+reduction below sees the logits the engine computes: z = W_out · mix.
+
+Online reductions over chunks z_c = mix · W_out[c]ᵀ [R, C] (max-rescaled, so nothing overflows):
+    m     = max_v z_v                                           [R]    running max (its value, exact in f32)
+    s     = Σ_v exp(z_v − m)                                    [R]    lse = m + log s
+    sz    = Σ_v exp(z_v − m) · z_v                              [R]    entropy H = lse − sz / s
+    A     = Σ_v exp(zb_v − mb) · (zb_v − zn_v)                  [P]    KL(base ‖ edited) = A / sb − lseb + lsen
+    μ     = Σ_v exp(z_v − m) · W_out[v] / s                     [R, n] E_p[W_out] (Fisher, ∂lse/∂mix)
+    top-k = the k largest logits and their ids                  [R, k]
+When the running max grows, earlier sums are rescaled by α = exp(m_old − m_new).
+
+Tie-break (one rule everywhere): among equal logits the LOWER token id ranks first (argmax, top-k, Fisher top-K).
+
+Precision:
+    head GEMM   "f32": plain f32 matmul (TF32 is the caller's switch; the bench turns it off).
+                "split-bf16" (CUDA): each operand split into bf16 hi + lo (lo = bf16(x − hi)); z = hi·hi + hi·lo + lo·hi
+                as bf16 tensor-core GEMMs with f32 accumulation and f32 output (off CUDA the same products are
+                formed in f32, where bf16 × bf16 is exact). `check_precision` measures both against f64.
+    reductions  f64 sums across chunks (within a chunk: f64 for s and A, f32 row-dots for sz). Without float64 on the
+                device (MPS; `Numerics.no_f64`), the within-chunk partial sums are f32 on the device and every
+                running accumulator (m, s, sz, A, μ) lives on the CPU in f64 — [R]-sized transfers per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from l47.model.weights import PRECISIONS, Numerics
+
+DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries stay small
+CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check
+SPLIT_MAX_RATIO = 2.0  # split-bf16 is kept only if its max |logit error| ≤ 2× the f32 path's on the check rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the head GEMM in the run's precision (l47.model.weights.Numerics holds the choice and the check's figures)
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x f32 -> (hi, lo) bf16 with hi + lo ≈ x to ~2⁻¹⁶ relative."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi.float()).to(torch.bfloat16)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [R, n] · b [C, n]ᵀ of bf16 operands, f32 accumulation and output [R, C]."""
+    if a.is_cuda:
+        return torch.mm(a, b.T, out_dtype=torch.float32)
+    return a.float() @ b.float().T  # bf16 × bf16 products are exact in f32
+
+
+def _head_parts(head: torch.Tensor, num: Numerics):
+    key = (head.data_ptr(), tuple(head.shape), head._version)
+    if num._parts.get("key") != key:
+        num._parts = {"key": key, "parts": split_bf16(head)}
+    return num._parts["parts"]
+
+
+def head_logits(x: torch.Tensor, head: torch.Tensor, lo: int, hi: int, num: Numerics | None = None,
+                x_parts=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of vocabulary rows lo..hi-1: x [R, n] · head[lo:hi]ᵀ -> [R, C] f32, in the run's precision
+    (written into `out` [R, C] when given)."""
+    if num is None or (num.used or num.precision) != "split-bf16":
+        return torch.mm(x, head[lo:hi].T, out=out)  # [R, C]
+    hh, hl = _head_parts(head, num)
+    xh, xl = x_parts if x_parts is not None else split_bf16(x)
+    z = _mm_f32(xh, hh[lo:hi])  # [R, C] hi·hi
+    z += _mm_f32(xh, hl[lo:hi])  # hi·lo
+    z += _mm_f32(xl, hh[lo:hi])  # lo·hi
+    return z
+
+
+@torch.no_grad()
+def check_precision(mix: torch.Tensor, head: torch.Tensor, num: Numerics, chunk: int = DEFAULT_CHUNK) -> None:
+    """Resolve `num.precision` for this run. "auto": split-bf16 on CUDA if its max |logit error| against f64 on up
+    to CHECK_ROWS rows of `mix` is ≤ SPLIT_MAX_RATIO × the f32 path's, else f32 (and `num.note` says so); f32
+    elsewhere. An explicit "split-bf16" is measured and recorded too (never silently replaced)."""
+    if num.used is not None:
+        return
+    want = num.precision
+    if want not in PRECISIONS + ("auto",):
+        from l47.errors import L47Error
+
+        raise L47Error("--precision", "precision", "f32, split-bf16 or auto", repr(want))
+    if want == "f32" or (want == "auto" and not mix.is_cuda):
+        num.used = "f32"
+        return
+    R = mix.shape[0]
+    rows = torch.linspace(0, R - 1, min(R, CHECK_ROWS), device=mix.device).round().long().unique()
+    x = mix[rows]  # [r, n]
+    xp = split_bf16(x)
+    split_num = Numerics(precision="split-bf16", used="split-bf16", _parts=num._parts)
+    e32 = esp = 0.0
+    for lo in range(0, head.shape[0], chunk):
+        hi = min(head.shape[0], lo + chunk)
+        ref = _f64_logits(x, head[lo:hi], num.no_f64)  # [r, C] f64 (CPU when the device has no f64)
+        e32 = max(e32, float((head_logits(x, head, lo, hi).to(ref.device, ref.dtype) - ref).abs().max()))
+        zs = head_logits(x, head, lo, hi, split_num, xp)
+        esp = max(esp, float((zs.to(ref.device, ref.dtype) - ref).abs().max()))
+    num._parts = split_num._parts
+    num.err_f32, num.err_split = e32, esp
+    num.used, num.note = decide_precision(want, e32, esp, len(rows))
+
+
+def decide_precision(want: str, err_f32: float, err_split: float, rows: int) -> tuple[str, str]:
+    """The per-run rule: "auto" keeps split-bf16 only if its max |logit error| ≤ SPLIT_MAX_RATIO × the f32 path's
+    (both against f64 on the same `rows` positions); an explicit request is honoured (its error is recorded)."""
+    if want == "auto" and err_split > SPLIT_MAX_RATIO * err_f32:
+        return "f32", (f"split-bf16 max |logit error| {err_split:.3g} > {SPLIT_MAX_RATIO:g}x the f32 path's "
+                       f"{err_f32:.3g} on {rows} positions: fell back to f32")
+    return "split-bf16", ""
+
+
+def _f64_logits(x: torch.Tensor, rows: torch.Tensor, no_f64: bool) -> torch.Tensor:
+    if no_f64:
+        x, rows = x.cpu(), rows.cpu()
+    return x.double() @ rows.double().T
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the accumulator
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What one pass returns (f64 where a reduction; on the CPU when the device has no float64)."""
+
+    lse: torch.Tensor  # [R] f64
+    top_v: torch.Tensor  # [R, k] logits (f32), descending, ties by lower id
+    top_i: torch.Tensor  # [R, k] int64
+    entropy: torch.Tensor | None  # [R] f64
+    kl: torch.Tensor | None  # [P] f64 KL(rows 0..P-1 ‖ rows P..2P-1), not clamped
+    mu: torch.Tensor | None  # [R, n] f64 E_p[W_out]
+
+
+class VocabAccumulator:
+    """Online reductions (module docstring) over vocabulary chunks for R rows."""
+
+    def __init__(self, R: int, device, *, topk: int = 0, entropy: bool = False, pairs: int = 0, mu_dim: int = 0,
+                 no_f64: bool = False, dtype=torch.float32):
+        self.rdev = torch.device("cpu") if no_f64 else torch.device(device)  # where the f64 sums live
+        self.no_f64 = no_f64
+        f64 = dict(dtype=torch.float64, device=self.rdev)
+        self.m = torch.full((R,), -math.inf, **f64)  # running max
+        self.s = torch.zeros(R, **f64)
+        self.sz = torch.zeros(R, **f64) if entropy else None
+        self.A = torch.zeros(pairs, **f64) if pairs else None
+        self.mu = torch.zeros(R, mu_dim, **f64) if mu_dim else None
+        self.k, self.P = topk, pairs
+        self.top_v = torch.full((R, topk), -math.inf, dtype=dtype, device=device)  # logits' dtype
+        self.top_i = torch.zeros((R, topk), dtype=torch.long, device=device)
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Row sums of x [R, C] as f64 on the accumulators' device (f32 partials when the device has no f64)."""
+        if self.no_f64:
+            return x.sum(1).to(self.rdev, torch.float64)
+        return x.sum(1, dtype=torch.float64)
+
+    def _f64(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.rdev, torch.float64)
+
+    def _buf(self, name: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """A reused [rows, C] scratch tensor (fresh multi-MB allocations cost page faults on the CPU)."""
+        n = rows * like.shape[1]
+        b = self._bufs.get(name)
+        if b is None or b.numel() < n or b.dtype != like.dtype or b.device != like.device:
+            b = self._bufs[name] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return b[:n].view(rows, like.shape[1])
+
+    def update(self, z: torch.Tensor, lo: int, head_rows: torch.Tensor | None = None) -> None:
+        """Fold chunk logits z [R, C] (vocabulary ids lo..lo+C-1) in; head_rows [C, n] is needed for μ."""
+        cm, ci = z.max(1)  # [R] chunk max and its FIRST index (lowest id on ties)
+        m_new = torch.maximum(self.m, self._f64(cm))
+        alpha = torch.exp(self.m - m_new)  # [R] rescale of earlier sums (exp(−inf) = 0 on the first chunk)
+        e = torch.sub(z, m_new.to(z.device, z.dtype)[:, None], out=self._buf("e", z, z.shape[0])).exp_()  # [R, C]
+        self.s = self.s * alpha + self._sum(e)
+        if self.sz is not None:
+            self.sz = self.sz * alpha + self._f64(_rowdot(e, z))  # Σ e·z without a [R, C] temporary
+        if self.A is not None:
+            P = self.P
+            # the logit difference first (splitting it into Σe·zb − Σe·zn cancels catastrophically in f32)
+            d = torch.sub(z[:P], z[P:], out=self._buf("d", z, P)).mul_(e[:P])  # [P, C] e_b·(z_b − z_n)
+            self.A = self.A * alpha[:P] + self._sum(d)
+        if self.mu is not None:
+            self.mu = self.mu * alpha[:, None] + self._f64(e @ head_rows)  # [R, n]
+        self.m = m_new
+        if self.k:
+            self._merge_top(z, lo, cm, ci)
+
+    def _merge_top(self, z, lo, cm, ci):
+        if self.k == 1:
+            v, i = cm[:, None], ci[:, None]
+        else:
+            v, i = _topk_lowest_id(z, self.k)  # [R, k]
+        allv = torch.cat([self.top_v, v], 1)
+        alli = torch.cat([self.top_i, i + lo], 1)
+        # earlier chunks (lower ids) first in the concatenation and a stable sort: ties keep the lowest id
+        order = torch.sort(allv, dim=1, descending=True, stable=True).indices[:, : self.k]
+        self.top_v = torch.gather(allv, 1, order)
+        self.top_i = torch.gather(alli, 1, order)
+
+    def result(self) -> Streamed:
+        lse = self.m + torch.log(self.s)  # [R]
+        P = self.P
+        return Streamed(
+            lse=lse, top_v=self.top_v, top_i=self.top_i,
+            entropy=None if self.sz is None else lse - self.sz / self.s,
+            kl=None if self.A is None else self.A / self.s[:P] - lse[:P] + lse[P:],
+            mu=None if self.mu is None else self.mu / self.s[:, None],
+        )
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row dot products [R] of two [R, C] tensors as a batched matmul (no [R, C] product temporary)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
+
+
+def _topk_lowest_id(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row of z [R, C], descending, ties broken by the lower index (torch.topk does not promise
+    which of equal values it returns). [R, k] values and indices."""
+    k = min(k, z.shape[1])
+    v, i = torch.topk(z, min(k + 1, z.shape[1]), dim=1)  # one extra: a tie across the cut shows as v[k-1] == v[k]
+    if v.shape[1] > k:
+        cut = (v[:, k - 1] == v[:, k]).nonzero().flatten()
+        v, i = v[:, :k].clone(), i[:, :k].clone()
+        for r in cut.tolist():  # rare: exact ties at the cut; take the candidates in id order
+            cand = (z[r] >= v[r, k - 1]).nonzero().flatten()  # ascending ids
+            o = torch.sort(z[r, cand], descending=True, stable=True).indices[:k]
+            v[r], i[r] = z[r, cand[o]], cand[o]
+    # within the k: order by (value desc, id asc)
+    o = torch.sort(i, dim=1).indices
+    v, i = torch.gather(v, 1, o), torch.gather(i, 1, o)
+    o = torch.sort(v, dim=1, descending=True, stable=True).indices
+    return torch.gather(v, 1, o), torch.gather(i, 1, o)
+
+
+def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = None, *, chunk: int = DEFAULT_CHUNK,
+                topk: int = 0, entropy: bool = False, pairs: int = 0, mu: bool = False) -> Streamed:
+    """One pass over the head for the rows of mix [R, n]: lse always; top-k, entropy, KL of the row pairs
+    (rows i and pairs + i, `pairs` = R/2) and μ = E_p[W_out] on request. No grad. Never forms [R, V]."""
+    num = num or Numerics()
+    with torch.no_grad():
+        check_precision(mix, head, num, chunk)
+        x_parts = split_bf16(mix) if num.used == "split-bf16" else None
+        acc = VocabAccumulator(mix.shape[0], mix.device, topk=topk, entropy=entropy, pairs=pairs,
+                               mu_dim=head.shape[1] if mu else 0, no_f64=num.no_f64, dtype=mix.dtype)
+        V = head.shape[0]
+        zbuf = torch.empty(mix.shape[0] * min(chunk, V), dtype=mix.dtype, device=mix.device)
+        for lo in range(0, V, chunk):
+            hi = min(V, lo + chunk)
+            out = zbuf[: mix.shape[0] * (hi - lo)].view(mix.shape[0], hi - lo)  # reused [R, C]
+            acc.update(head_logits(mix, head, lo, hi, num, x_parts, out), lo, head[lo:hi] if mu else None)
+        return acc.result()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# differentiable log-sum-exp and KL for the solvers (recomputing backward passes through the same accumulator)
+
+
+class _StreamedLSE(torch.autograd.Function):
+    """lse(mix·W_outᵀ) [R]; backward ∂lse/∂mix = μ = E_p[W_out] (one more streamed pass)."""
+
+    @staticmethod
+    def forward(ctx, mix, head, num, chunk):
+        ctx.save_for_backward(mix, head)
+        ctx.num, ctx.chunk = num, chunk
+        return stream_head(mix.detach(), head, num, chunk=chunk).lse.to(mix.device, mix.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        mix, head = ctx.saved_tensors
+        mu = stream_head(mix.detach(), head, ctx.num, chunk=ctx.chunk, mu=True).mu.to(mix.device, mix.dtype)
+        return mu * g[:, None], None, None, None
+
+
+class _StreamedKL(torch.autograd.Function):
+    """KL(p_base ‖ p_new) [P] with p = softmax(mix·W_outᵀ); gradient w.r.t. mix_new only:
+    ∂KL/∂z_new = p_new − p_base -> ∂KL/∂mix_new = μ_new − μ_base (one more streamed pass over both)."""
+
+    @staticmethod
+    def forward(ctx, mix_new, mix_base, head, num, chunk):
+        both = torch.cat([mix_base, mix_new.detach()], 0)  # [2P, n]
+        ctx.save_for_backward(both, head)
+        ctx.num, ctx.chunk = num, chunk
+        return stream_head(both, head, num, chunk=chunk, pairs=mix_base.shape[0]).kl.to(mix_new.device,
+                                                                                         mix_new.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        both, head = ctx.saved_tensors
+        P = both.shape[0] // 2
+        mu = stream_head(both, head, ctx.num, chunk=ctx.chunk, mu=True).mu  # [2P, n] f64
+        return ((mu[P:] - mu[:P]).to(both.device, both.dtype)) * g[:, None], None, None, None, None
+
+
+def streamed_lse(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = None,
+                 chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Differentiable log-sum-exp over the full vocabulary [R] (mix's dtype out, f64 inside)."""
+    return _StreamedLSE.apply(mix, head, num, chunk)
+
+
+def streamed_kl(mix_new: torch.Tensor, mix_base: torch.Tensor, head: torch.Tensor, num: Numerics | None = None,
+                chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Differentiable KL(base ‖ new) per position [P] over the full vocabulary (gradient to mix_new only)."""
+    return _StreamedKL.apply(mix_new, mix_base.detach(), head, num, chunk)

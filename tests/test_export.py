@@ -1,0 +1,193 @@
+"""`l47 export` and the checkpoint's own tokenizer, on checkpoints the project has not seen: config vocabulary
+4,000 (tokenizer 516 ids, padded), the five chat special tokens at ids 0–4, other layer counts and dims.
+
+References:
+  - transformers' Qwen4Exp on the checkpoint folder (f32): with every tensor exported as F32 the rebuilt model's
+    logits equal the checkpoint's to 1e-5 (the only rounding is the norm fold (1 + w) − 1 in f32, ~1e-7 relative;
+    1e-5 on logits of size ~10 leaves a 100x margin);
+  - `tokenizers` running the checkpoint's tokenizer.json itself: token ids compared exactly (no tolerance);
+  - the export's own check (hf zero-proxy tolerance 1e-4 nats) must pass on the default types and must fail,
+    removing its output, when the reference differs (a perturbed parameter).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
+
+from tiny_ckpt import SPECIALS, save_checkpoint, train_tokenizer
+
+from l47.app.cli import app
+from l47.errors import L47Error
+from l47.model import names
+
+TEXTS = ["Rather than rebuild it, the council repaired each stone in 1904.",
+         "<|im_start|>user\nHow long?<|im_end|>\n<|im_start|>assistant\n<think>\nsoft\n</think>\n\nSeven.<|im_end|>\n"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen4exp", layers=2)
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _leftovers(folder, name):
+    return [p.name for p in folder.iterdir() if name in p.name]
+
+
+def test_export_default_types_specials_at_0_to_4(ckpt, tmp_path):
+    out = tmp_path / "m.gguf"
+    r = _invoke("export", ckpt, out)
+    assert r.exit_code == 0, r.output
+    assert "ok" in r.output and out.is_file()
+    from l47.model.gguf_io import open_gguf
+    from l47.model.vocab import vocab_from_gguf
+
+    g = open_gguf(out)
+    v = vocab_from_gguf(g)
+    assert v.size == 4000  # config vocab_size: tokenizer's 516 ids + unused padding rows
+    assert v.special_ids == {s: i for i, s in enumerate(SPECIALS)}  # ids 0..4, read from the file
+    tk = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    for t in TEXTS:
+        assert v.encode_chat(t) == tk.encode(t, add_special_tokens=False).ids
+    assert g.tensors["output.weight"].type_name == "Q6_K"
+    assert g.tensors[names.target_tensor(1)].type_name == "Q8_0"
+    assert g.kv[names.K_TOK_EOS] == 2 and g.kv[names.K_TOK_BOS] == 0
+    assert names.K_CHAT_TEMPLATE in g.kv
+
+
+def test_export_f32_equals_checkpoint(tmp_path):
+    """Other dims (3 layers, n 128 so the head is not Q6_K-able, 4 experts, low rank 16), every type F32: the
+    GGUF rebuilt by the hf engine gives the checkpoint's logits (transformers on the folder) to 1e-5."""
+    from l47.engine.gguf_export import load_hf, load_hf_from_gguf
+
+    ck = save_checkpoint(tmp_path / "ck", vocab=3000, layers=3, hidden=128, shared=96, lowrank=16, num_experts=4,
+                         seed=3)
+    out = tmp_path / "f32.gguf"
+    r = _invoke("export", ck, out, "--target-type", "F32", "--head-type", "F32", "--hc-type", "F32")
+    assert r.exit_code == 0, r.output
+    ids = torch.tensor([[0, 1, 7, 200, 3, 42, 4, 515, 2, 9, 2999]])
+    with torch.no_grad():
+        want = load_hf(ck)(ids).logits
+        got = load_hf_from_gguf(out, policy="exact")(ids).logits
+    assert float((got - want).abs().max()) < 1e-5
+
+
+def test_export_check_failure_removes_output(ckpt, tmp_path, monkeypatch):
+    import l47.engine.gguf_export as ge
+
+    real = ge.round_trip_in_place
+
+    def off(model, types):  # the reference moves one head row: the file no longer matches it
+        real(model, types)
+        with torch.no_grad():
+            model.lm_head.weight[5] += 0.5
+
+    monkeypatch.setattr(ge, "round_trip_in_place", off)
+    out = tmp_path / "bad.gguf"
+    r = _invoke("export", ckpt, out)
+    assert r.exit_code == 1, r.output
+    assert "FAILED" in r.output and not out.exists() and not _leftovers(tmp_path, "bad.gguf")
+
+
+def _no_config(p):
+    (p / "config.json").unlink()
+
+
+def _llama(p):
+    c = json.loads((p / "config.json").read_text())
+    (p / "config.json").write_text(json.dumps({**c, "model_type": "llama"}))
+
+
+def _no_tokenizer(p):
+    (p / "tokenizer.json").unlink()
+
+
+def _gpt2_pre(p):
+    train_tokenizer(byte_level_regex=True).save(str(p / "tokenizer.json"))
+
+
+def _no_think(p):
+    train_tokenizer(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "</think>")).save(
+        str(p / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("breaks, names_", [
+    (_no_config, ["config.json"]), (_llama, ["config.json", "model_type", "llama"]),
+    (_no_tokenizer, ["tokenizer.json", "missing"]), (_gpt2_pre, ["tokenizer.json", "pre_tokenizer", "--pre"]),
+    (_no_think, ["special token <think>", "missing"]),
+])
+def test_export_bad_checkpoint_exit_2_nothing_written(ckpt, tmp_path, breaks, names_):
+    bad = tmp_path / "ck"
+    shutil.copytree(ckpt, bad)
+    breaks(bad)
+    out = tmp_path / "o.gguf"
+    r = _invoke("export", bad, out)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) <= 3  # one error (wrapped)
+    flat = " ".join(r.output.split())
+    for s in names_:
+        assert s in flat, (s, flat)
+    assert not _leftovers(tmp_path, "o.gguf")
+
+
+def test_export_existing_output_and_wrong_pre(ckpt, tmp_path):
+    out = tmp_path / "exists.gguf"
+    out.write_bytes(b"keep me")
+    r = _invoke("export", ckpt, out)
+    assert r.exit_code == 2 and "exists.gguf" in r.output and "output" in r.output
+    assert out.read_bytes() == b"keep me"
+    r = _invoke("export", ckpt, tmp_path / "p.gguf", "--pre", "qwen35")  # the file says qwen2
+    assert r.exit_code == 2 and "pre_tokenizer" in r.output and not (tmp_path / "p.gguf").exists()
+    r = _invoke("export", ckpt, tmp_path / "t.gguf", "--head-type", "Q9_9")
+    assert r.exit_code == 2 and "--head-type" in r.output
+
+
+def test_dump_hf_dir_uses_its_own_tokenizer(ckpt, tmp_path):
+    """`l47 dump --model HF_DIR`: ids from the checkpoint's tokenizer.json (specials 0–4), not a built-in one."""
+    from l47.dumps import read_dump
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"id": "c", "messages": [{"role": "user", "content": "How long?"},
+                                                       {"role": "assistant", "content": "Seven minutes."}]}) + "\n")
+    r = _invoke("dump", src, "--model", ckpt, "--out", tmp_path / "d")
+    assert r.exit_code == 0, r.output
+    d = read_dump(tmp_path / "d" / "c.safetensors")
+    tk = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    assert list(np.asarray(d.tokens)) == tk.encode(d.meta.text, add_special_tokens=False).ids
+    assert list(np.asarray(d.tokens))[:1] == [1]  # <|im_start|> is id 1 in this tokenizer
+
+
+def test_dump_missing_special_is_named(ckpt, tmp_path):
+    bad = tmp_path / "ck"
+    shutil.copytree(ckpt, bad)
+    _no_think(bad)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"id": "p", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    r = _invoke("dump", src, "--model", bad, "--out", tmp_path / "d", "--generate", "--max-new-tokens", "2")
+    assert r.exit_code == 2 and "<think>" in r.output, r.output
+
+
+def test_inspect_checkpoint_folder(ckpt, tmp_path):
+    r = _invoke("inspect", ckpt)
+    assert r.exit_code == 0 and "qwen4_exp_text" in r.output and "<|im_end|> 2" in r.output, r.output
+    r = _invoke("inspect", tmp_path)
+    assert r.exit_code == 2 and "config.json" in r.output and "Traceback" not in r.output
+
+
+def test_vocab_checkpoint_kv_padding_and_errors(ckpt):
+    from l47.model.vocab import TT_UNUSED, checkpoint_tokenizer_kv
+
+    kv = checkpoint_tokenizer_kv(ckpt, 4000)
+    assert len(kv[names.K_TOK_TOKENS]) == 4000 and kv[names.K_TOK_TYPES][3999] == TT_UNUSED
+    with pytest.raises(L47Error, match="vocab_size"):
+        checkpoint_tokenizer_kv(ckpt, 100)  # the tokenizer has ids beyond the model's rows
