@@ -535,3 +535,59 @@ def test_placement_refuses_bad_input(tmp_path, tiny_gguf):
     with pytest.raises(L47Error, match="module 'model.layer.0'"):
         eng.place_model(load_hf_from_gguf(tiny_gguf), eng.parse_placement('{"model.layer.0": "cpu"}', None))
     assert eng.parse_placement(None, None) == eng.Placement()
+
+
+def test_audit_engine_bars_from_the_hf_engine_on_the_transplanted_bundle(tmp_path, tiny_gguf, base_dumps):
+    """The audit's engine-level figures fed by an independent forward: transformers' Qwen4Exp (the hf engine)
+    run on the transplanted bundle, its log p(next) against the tail forward's prediction for the edited model
+    (engine.zero_proxy: ≤ 1e-4 nats, f32 engine vs exact tail, as at dump time) and its KLD against the base run
+    equal to the tail's own KLD (both exact forwards of the same two models; f16 ref_logits: ≤ 1e-3). A planted
+    0.01-nat disagreement in the engine's log p must fail the bar."""
+    from dataclasses import replace as dc_replace
+
+    from l47.app.dumping import run_dump
+    from l47.dumps import read_dump, write_dump
+    from l47.evals.audit import AuditArgs, run_audit
+    from l47.model.gguf_io import copy_with_tensor_replaced
+    from l47.model.weights import load_tail_weights
+
+    _, docs, _ = base_dumps
+    base_out = tmp_path / "base"
+    run_dump("hf", tiny_gguf, docs, base_out, ref_logits=True)  # the engine's base run, full logits kept
+    w = load_tail_weights(tiny_gguf, policy="strata")
+    dW = torch.randn(w.W_sd.shape, generator=torch.Generator().manual_seed(11)) * 0.05
+    bundle = copy_with_tensor_replaced(tiny_gguf, tmp_path / "bundle.gguf",
+                                       {w.target: gq.quantize((w.W_sd + dW).numpy(), QT.Q8_0)})
+    edit_out = tmp_path / "edit"
+    run_dump("hf", bundle, docs, edit_out, ref_logits=True)  # the engine runs the bundle itself: no tail code
+    files = sorted(base_out.glob("*.safetensors"))
+    exp = tmp_path / "exp.toml"
+    exp.write_text("\n".join([
+        'name = "engine-check"', f'model = "{tiny_gguf}"', 'vocab = "gguf"', 'policy = "strata"', "",
+        "[sets.kld]", f"prose = {json.dumps([str(f) for f in files])}", "", "[[phrases]]", 'text = "the end"',
+    ]) + "\n")
+    engine = sorted(edit_out.glob("*.safetensors"))
+
+    def audit(out, engine_dumps):
+        return run_audit(AuditArgs(bundle=bundle, base=tiny_gguf, experiment=exp, out_dir=out, plots=False,
+                                   engine_dumps=tuple(engine_dumps), allow_unverified=True))
+
+    res = audit(tmp_path / "a", engine)
+    eng_rep = res.report["engine"]
+    zp = eng_rep["zero_proxy_edited"]
+    assert set(zp) == {str(p) for p in engine}
+    assert max(v["max_rel"] for v in zp.values()) <= TOL
+    k = eng_rep["kld"]["kld.prose"]
+    assert k["tail_kld"] > 1e-3  # the edit really moves the distribution
+    assert k["kld"] == pytest.approx(k["tail_kld"], abs=1e-3) and k["floor"] < 1e-3
+    bars = {b["name"]: b for b in res.report["bars"]}
+    assert bars["engine.zero_proxy"]["passed"]
+
+    d = read_dump(engine[0])  # planted: the engine disagrees with the tail prediction by 0.01 nats
+    arr = {kk: np.array(v) for kk, v in d.arrays().items()}
+    arr["ref_logp"] = arr["ref_logp"] + np.float32(0.01)
+    bad = write_dump(tmp_path / "planted" / engine[0].name, arr, dc_replace(d.meta, doc_id="planted"))
+    res2 = audit(tmp_path / "b", [bad] + engine[1:])
+    b2 = {b["name"]: b for b in res2.report["bars"]}["engine.zero_proxy"]
+    want = float((0.01 / np.maximum(1.0, np.abs(d.ref_logp.astype(np.float64)))).max())  # the bar's relative form
+    assert not b2["passed"] and b2["value"] == pytest.approx(want, rel=0.05)  # the engine's log p ≈ tail's (1e-4)
