@@ -316,6 +316,38 @@ CASES = [
      ["e.toml", *BAD_TOML["solver_type"][1]], {"e.toml": "bad:solver_type"}),
     ("solve_salad_zero", ["solve", "{T}/e.toml", "--out", "{T}/b.gguf"], 2,
      ["e.toml", *BAD_TOML["salad_ngram_zero"][1]], {"e.toml": "bad:salad_ngram_zero"}),
+    # --- --json outputs go through the same policy (issue 14 item 1: every file a command writes)
+    ("solve_json_is_model", ["solve", "{exp.toml}", "--out", "{T}/b.gguf", "--json", "{base.gguf}"], 2,
+     ["base.gguf", "--json", "base model"]),
+    ("solve_json_is_experiment", ["solve", "{exp.toml}", "--out", "{T}/b.gguf", "--json", "{exp.toml}"], 2,
+     ["exp.toml", "--json", "experiment"]),
+    ("solve_json_is_dump", ["solve", "{exp.toml}", "--out", "{T}/b.gguf", "--json", "{pool2.safetensors}"], 2,
+     ["pool2.safetensors", "--json", "dump of set"]),
+    ("solve_json_foreign", ["solve", "{exp.toml}", "--out", "{T}/b.gguf", "--json", "{T}/r.json"], 2,
+     ["r.json", "--json", "--force"], {"r.json": '{"mine": 1}'}),
+    ("solve_json_dir", ["solve", "{exp.toml}", "--out", "{T}/b.gguf", "--json", "{a_folder}"], 2,
+     ["a_folder", "--json", "directory"]),
+    ("solve_json_is_record", ["solve", "{exp.toml}", "--out", "{T}/b.gguf", "--json", "{T}/b.gguf.solve.json"],
+     2, ["b.gguf.solve.json", "--json", "solve record"]),
+    ("audit_json_is_model", ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}",
+                             "--out", "{T}/a", "--json", "{base.gguf}"], 2, ["base.gguf", "--json", "base model"]),
+    ("audit_json_is_bundle", ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}",
+                              "--out", "{T}/a", "--json", "{bundle.gguf}"], 2, ["bundle.gguf", "--json", "bundle"]),
+    ("audit_json_foreign", ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}",
+                            "--out", "{T}/a", "--json", "{report_other.json}"], 2,
+     ["report_other.json", "--json", "--force"]),
+    ("audit_json_dir", ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}",
+                        "--out", "{T}/a", "--json", "{a_folder}"], 2, ["a_folder", "--json", "directory"]),
+    ("audit_json_in_report_dir", ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}",
+                                  "--out", "{T}/a", "--json", "{T}/a/report.md"], 2,
+     ["report.md", "--json", "--out (report.md)"]),
+    ("plan_json_is_experiment", ["plan", "{exp.toml}", "--json", "{exp.toml}"], 2, ["exp.toml", "--json",
+                                                                                    "experiment"]),
+    ("plan_json_is_model", ["plan", "{exp.toml}", "--json", "{base.gguf}"], 2, ["base.gguf", "--json"]),
+    ("plan_json_foreign", ["plan", "{exp.toml}", "--json", "{notes.txt}"], 2, ["notes.txt", "--json", "--force"]),
+    ("plan_json_under_file", ["plan", "{exp.toml}", "--json", "{notes.txt}/p.json"], 2, ["notes.txt", "--json"]),
+    ("plan_sets_not_json", ["plan", "{exp.toml}", "--sets", "{binary.bin}"], 2, ["binary.bin"]),
+    ("plan_experiment_bad", ["plan", "{T}/e.toml"], 2, ["e.toml", "kld_mx"], {"e.toml": "bad:unknown_threshold"}),
     # --- audit
     ("audit_out_is_file", ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}",
                            "--out", "{notes.txt}"], 2, ["notes.txt", "--out", "existing file"]),
@@ -444,7 +476,7 @@ def test_malformed(world, tmp_path, case):
 def test_corpus_size():
     assert len(CASES) >= 60
     cmds = {c[1][0] for c in CASES}
-    assert cmds >= {"inspect", "score", "dump", "sets", "solve", "audit", "penalty", "transplant", "demo"}
+    assert cmds >= {"inspect", "score", "dump", "sets", "solve", "audit", "penalty", "transplant", "demo", "plan"}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -322,7 +322,7 @@ def solve(
     from l47.app.solve_report import solve_and_print
     from l47.solvers.solve import SolveArgs
 
-    check_solve(experiment, out, model, overlay, sets_json, ledger, force, method, allow_other_model)
+    check_solve(experiment, out, model, overlay, sets_json, ledger, force, method, allow_other_model, json_out)
     with json_to_stdout(json_out, console) as target:
         res = solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
                                         allow_other_model=allow_other_model), console)
@@ -337,12 +337,23 @@ def plan(
     experiment: Path = typer.Argument(..., help="experiment TOML"),
     model: Optional[Path] = typer.Option(None, "--model"),
     sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the plan as JSON here"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the plan as JSON here (- : to stdout)"),
     device: str = typer.Option("cpu"),
+    force: bool = _force_opt(),
 ):
     """Feasibility before solving: per phrase events, base p, needed vs reachable log-odds within the KL budget,
     share inside the protected span, binding constraint; anchors' rank vs f. Exit 1 if a phrase cannot reach
     its target."""
+    from l47.app.paths import check_plan
+    from l47.app.tables import json_to_stdout
+
+    check_plan(experiment, json_out, model, sets_json, force)
+    with json_to_stdout(json_out, console) as target:
+        short = _plan(experiment, model, sets_json, target, device)
+    raise typer.Exit(1 if short else 0)
+
+
+def _plan(experiment, model, sets_json, json_out, device) -> bool:
     import json
 
     from l47.fileio import write_text_atomic
@@ -370,8 +381,7 @@ def plan(
         write_text_atomic(json_out, json.dumps({"plan": fp.to_dict(),
                                                 "anchors": None if choice is None else choice.summary()},
                                                indent=1, sort_keys=True))
-    if fp.short:
-        raise typer.Exit(1)
+    return bool(fp.short)
 
 
 @app.command()
@@ -444,7 +454,7 @@ def audit(
     from l47.fileio import write_text_atomic
 
     check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force,
-                allow_other_model)
+                allow_other_model, json_out)
     with json_to_stdout(json_out, console) as target:
         res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
                                         tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified), FittedConsole(console))

@@ -32,6 +32,7 @@ DEFAULT_TOLERANCE = {"hf": 1e-4, "strata": 1e-3}  # nats: f32 reference engine /
 DUMP_SUFFIX = ".safetensors"
 PENDING_SUFFIX = ".pending"
 REFUSED_SUFFIX = ".refused"
+STRATA_RAW = ".strata-raw"  # the Strata engine's per-document contract folders, inside --out (removed after use)
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 STATUS_WRITTEN, STATUS_SKIPPED, STATUS_REFUSED, STATUS_ERROR = "written", "skipped", "refused", "error"
@@ -353,6 +354,22 @@ def _portable_source(inputs, doc, input_hash: str) -> dict:
     return {"input": name, "where": where, "input_sha256": input_hash, "doc_sha256": doc.sha256()}
 
 
+def _missing_dirs(folder: Path) -> list[Path]:
+    """`folder` and its ancestors that do not exist yet, deepest first."""
+    out, p = [], Path(os.path.abspath(folder))
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def _rmdir_if_empty(d: Path) -> None:
+    try:
+        d.rmdir()  # only an empty folder: never a file or folder the user put there
+    except OSError:
+        pass
+
+
 def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
     from l47.dumps import read_dump
 
@@ -426,7 +443,10 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
         need = names.SPECIAL_TOKENS if generate is not None else (names.IM_START, names.IM_END)
         require_specials(vocab, need, "chat documents and generation")
     L = tail.layer
+    made = _missing_dirs(out_dir)  # the folders this run creates (removed again if it ends with them empty)
     out_dir.mkdir(parents=True, exist_ok=True)
+    raw_root = out_dir / STRATA_RAW
+    raw_made = sbin is not None and not raw_root.exists()
     results: list[DocResult] = []
 
     progress = None
@@ -466,7 +486,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                     continue
                 source = _portable_source(inputs, doc, ih)
                 if sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
-                    raw_dir = out_dir / ".strata-raw" / path.stem
+                    raw_dir = raw_root / path.stem
                     arrays, fields = _strata_document(sbin, model_path, doc, vocab, generate, raw_dir, L, mid,
                                                       plain_role, topk, ref_logits, source)
                     meta = DumpMeta(**fields)
@@ -485,8 +505,6 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                     T = len(r.tokens) - 1
                 write_dump(pending, arrays, meta)
                 mx, mean = zero_proxy(tail, read_dump(pending))
-                if sbin is not None:
-                    strata.remove_raw(raw_dir, L)
                 if mx <= tol:
                     os.replace(pending, path)
                     refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
@@ -502,12 +520,18 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
                 results.append(DocResult(doc.id, STATUS_ERROR, None, message=str(e)))
                 say(f"  [red]{escape(doc.id)}: error[/]: {escape(str(e))}")
             finally:
-                pending.unlink(missing_ok=True)  # never left behind, whatever failed
+                pending.unlink(missing_ok=True)  # never left behind, whatever failed (an interrupt included)
+                if sbin is not None:
+                    strata.remove_raw(raw_root / path.stem, L)  # the engine's contract files, nothing else
                 if progress is not None:
                     progress.advance(task)
     finally:
         if progress is not None:
             progress.stop()
+        if raw_made:
+            _rmdir_if_empty(raw_root)
+        for d in made:  # deepest first: a folder this run created and left empty (a refusal, an interrupt)
+            _rmdir_if_empty(d)
     summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), mid, emeta, tol, str(out_dir))
     say(f"dump: {summary.count(STATUS_WRITTEN)} written, {summary.count(STATUS_SKIPPED)} skipped, "
         f"{summary.count(STATUS_REFUSED)} refused, {summary.count(STATUS_ERROR)} failed, "

@@ -30,6 +30,8 @@ SETS_JSON = "sets-json"
 PENALTY_JSON = "penalty-json"
 BENCH_JSON = "bench-json"
 SOLVE_RECORD = "solve-record"
+AUDIT_JSON = "audit-json"  # `audit --json`: the report.json content written elsewhere
+PLAN_JSON = "plan-json"
 LEDGER = "ledger"  # appended to: must already be a valid ledger (or absent)
 AUDIT_DIR = "audit-dir"
 DUMP_DIR = "dump-dir"
@@ -98,6 +100,11 @@ def _is_solve_record(path: Path) -> bool:
     return d is not None and {"method", "base_sha256", "bundle_sha256", "touched"} <= set(d)
 
 
+def _is_plan_json(path: Path) -> bool:
+    d = _json_schema(path)
+    return d is not None and isinstance(d.get("plan"), dict) and set(d) <= {"plan", "anchors"}
+
+
 def _is_ledger(path: Path) -> bool:
     return True  # validated by check_ledger_file in check_outputs (a bad ledger is an error, not overwritten)
 
@@ -116,6 +123,8 @@ _SNIFF: dict[str, tuple[str, Callable[[Path], bool]]] = {
     PENALTY_JSON: ("a penalty spec written by `l47 penalty`", _is_penalty_json),
     BENCH_JSON: ("a JSON written by `l47 bench`", _is_bench_json),
     SOLVE_RECORD: ("a solve record written by `l47 solve`", _is_solve_record),
+    AUDIT_JSON: ("an audit report written by `l47 audit`", _is_audit_report),
+    PLAN_JSON: ("a plan written by `l47 plan --json`", _is_plan_json),
     LEDGER: ("a scoring ledger", _is_ledger),
 }
 
@@ -193,13 +202,14 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[tuple[Path | None,
     inputs: (path, role) pairs, e.g. (model, "base model"), (dump, "dump of set train"); None entries skipped."""
     outs = [o for o in outputs if o.path is not None]
     ins = [(Path(p), r) for p, r in inputs if p is not None]
-    seen: list[Output] = []
+    seen: list[tuple[Path, str]] = []  # (path, option) of every output so far, files inside folders included
     for o in outs:
         p = Path(o.path)
-        for s in seen:
-            if _same(Path(s.path), p) or Path(os.path.abspath(s.path)) == Path(os.path.abspath(p)):
-                raise L47Error(p, o.option, f"a path other than {s.option}'s", "the same file")
-        seen.append(o)
+        for sp, sopt in seen:
+            if _same(sp, p) or Path(os.path.abspath(sp)) == Path(os.path.abspath(p)):
+                raise L47Error(p, o.option, f"a path other than {sopt}'s", "the same file")
+        seen.append((p, o.option))
+        seen += [(p / name, f"{o.option} ({name})") for name in o.files]
         if o.kind in DIR_KINDS:
             if p.exists() and not p.is_dir():
                 raise L47Error(p, o.option, "a folder (or a new path)", "an existing file")
@@ -292,8 +302,13 @@ def check_sets(experiment, json_out, model, ledger, force=False, allow_other_mod
     return _models(exp, model, allow_other_model)
 
 
+def _file_out(json_out):
+    """None for no output or "-" (stdout)."""
+    return None if json_out is None or str(json_out) == "-" else Path(json_out)
+
+
 def check_solve(experiment, out, model, overlay, sets_json, ledger, force=False, method="wfld",
-                allow_other_model=False) -> list[str]:
+                allow_other_model=False, json_out=None) -> list[str]:
     from l47.data.record import record_path_for
     from l47.solvers.solve import resolve_config
 
@@ -310,8 +325,19 @@ def check_solve(experiment, out, model, overlay, sets_json, ledger, force=False,
         else 0
     check_outputs([Output(out, GGUF, "--out", nbytes=size),
                    Output(record_path_for(out), SOLVE_RECORD, "--out (its solve record)"),
+                   Output(_file_out(json_out), SOLVE_RECORD, "--json"),
                    Output(ledger, LEDGER, "--ledger")], ins, force=force)
     return _models(exp, model, allow_other_model)
+
+
+def check_plan(experiment, json_out, model, sets_json, force=False) -> None:
+    exp = _exp(experiment)
+    if sets_json is not None:
+        from l47.data.sets import load_sets_report
+
+        load_sets_report(sets_json)
+    ins = experiment_inputs(exp) + [(model or exp.model, "base model"), (sets_json, "sets report")]
+    check_outputs([Output(_file_out(json_out), PLAN_JSON, "--json")], ins, force=force)
 
 
 def check_transplant(overlay, base, out, force=False) -> None:
@@ -320,7 +346,7 @@ def check_transplant(overlay, base, out, force=False) -> None:
 
 
 def check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force=False,
-                allow_other_model=False) -> list[str]:
+                allow_other_model=False, json_out=None) -> list[str]:
     from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
 
     exp = _exp(experiment)
@@ -329,6 +355,7 @@ def check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record
     ins += [(d, "engine dump") for d in engine_dumps]
     out = Path(out)
     check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV)),
+                   Output(_file_out(json_out), AUDIT_JSON, "--json"),
                    Output(ledger, LEDGER, "--ledger")], ins, force=force)
     return _models(exp, base, allow_other_model)
 
