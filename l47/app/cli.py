@@ -260,9 +260,8 @@ def dump(
 
     from l47.app.paths import check_dump
 
-    check_dump(inputs, model, out)
-
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
+    check_dump(inputs, model, out, gen, ref_logits)  # paths and disk space, before the model is loaded
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
                        policy=policy, device=device, engine_bin=engine_bin, placement=placement, batch=batch)
     raise typer.Exit(summary.exit_code)

@@ -289,6 +289,83 @@ def zero_proxy(tail, dump) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# disk space, estimated before the model is loaded (issue 14 item 1)
+
+_HEADER_BASE = 16 << 10  # a dump's safetensors header: tensor table + metadata JSON without the text (~3 KiB seen)
+_HEADER_PER_TEXT_BYTE = 8  # the text (and a generated document's prompt) in the metadata, JSON-escaped
+_HEADER_PER_NEW_TOKEN = 64  # a generated token's text in the metadata (the text is unknown before sampling)
+
+
+def dump_nbytes(T: int, n: int, f: int, hc: int, V: int, topk: int, ref_logits: bool, text_bytes: int = 0) -> int:
+    """An upper bound of one dump file's size (dumps/README.md): per position R [hc, n], hh [f], yr [n], inj [hc],
+    sgv, ref_logp (f32), ref_top_ids (i32) and ref_top_logits (f32) [topk], role (u8), ref_logits [V] (f16) when
+    asked; tokens [T + 1] (i32); the header (16 KiB + 8 bytes per byte of the text)."""
+    per = 4 * (hc * n + f + n + hc + 2 + 2 * topk) + 1 + (2 * V if ref_logits else 0)  # bytes per position
+    return T * per + 4 * (T + 1) + _HEADER_BASE + _HEADER_PER_TEXT_BYTE * text_bytes
+
+
+def _model_dims(model_path: Path) -> tuple[int, int, int, int]:
+    """(n, f, hc, V) from a GGUF's tensor table and metadata, or a checkpoint's config.json (nothing loaded)."""
+    if model_path.is_dir():
+        from l47.engine.gguf_export import read_hf_config
+
+        c = read_hf_config(model_path)
+        return (int(c.hidden_size), int(c.shared_expert_intermediate_size), int(c.hc_count), int(c.vocab_size))
+    from l47.model.gguf_io import open_gguf
+    from l47.model.weights import _hparam
+
+    g = open_gguf(model_path)
+    L = int(_hparam(g, names.K_BLOCK_COUNT)) - 1
+    n, f = g.info(names.target_tensor(L)).shape  # [n, f]
+    V = g.info(names.OUTPUT.gguf).shape[0]  # [V, n]
+    return int(n), int(f), int(_hparam(g, names.K_HC_COUNT)), int(V)
+
+
+def estimate_dump_bytes(model_path, inputs, out_dir, generate: GenerateOptions | None = None,
+                        ref_logits: bool = False, topk: int = 8, plain_role: str = "assistant",
+                        vocab=None) -> tuple[int, int] | None:
+    """(bytes, documents) a `run_dump` into `out_dir` will add to its disk, from the documents' token counts and
+    the model's dims, read without loading the model: each document without a dump there yet (forced: its
+    rendered length; generated: its prompt + max_new_tokens, an upper bound), plus the largest document once
+    for a dump that is replaced (written beside the old one, then renamed over it). None when the inputs or the
+    model cannot be read here (run_dump then reports that with its own error)."""
+    from l47.dumps.chat import read_documents, render_document
+
+    model_path, out_dir = Path(model_path), Path(out_dir)
+    try:
+        n, f, hc, V = _model_dims(model_path)
+        if vocab is None:
+            if model_path.is_dir():
+                from l47.model.vocab import vocab_from_checkpoint
+
+                vocab = vocab_from_checkpoint(model_path, V)
+            else:
+                from l47.model.vocab import vocab_for_model
+
+                vocab = vocab_for_model(model_path)
+        docs = read_documents(inputs).docs
+    except (L47Error, OSError, ValueError):
+        return None
+    total, biggest, count = 0, 0, 0
+    for doc in docs:
+        try:
+            if generate is None:
+                r = render_document(doc, vocab, plain_role)
+                size = dump_nbytes(len(r.tokens) - 1, n, f, hc, V, topk, ref_logits, len(r.text.encode()))
+            else:
+                p = _prompt(doc, vocab, generate, plain_role)
+                T = len(p.ids) + int(generate.max_new_tokens) - 1
+                size = dump_nbytes(T, n, f, hc, V, topk, ref_logits, 2 * len(p.text.encode())) \
+                    + _HEADER_PER_NEW_TOKEN * int(generate.max_new_tokens)
+        except L47Error:
+            continue  # a bad document is reported (and written nowhere) by run_dump
+        biggest = max(biggest, size)
+        if not (out_dir / dump_name(doc.id)).exists():
+            total, count = total + size, count + 1
+    return total + (biggest if count < len(docs) else 0), count
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the command
 
 

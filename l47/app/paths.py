@@ -140,6 +140,7 @@ class Output:
     option: str
     nbytes: int = 0
     files: tuple[str, ...] = ()
+    nbytes_what: str = ""  # what the expected size is made of, for the refusal (e.g. "48 dumps, estimated")
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -182,7 +183,8 @@ def _check_writable(o: Output, folder_wanted: bool) -> None:
     if o.nbytes > 0:
         free = shutil.disk_usage(anc).free
         if free < o.nbytes:
-            raise L47Error(target, o.option, f"at least {_fmt_bytes(o.nbytes)} free on its disk",
+            what = f" for {o.nbytes_what}" if o.nbytes_what else ""
+            raise L47Error(target, o.option, f"at least {_fmt_bytes(o.nbytes)} free on its disk{what}",
                            f"{_fmt_bytes(free)} free in {anc}")
 
 
@@ -377,12 +379,22 @@ def check_penalty(experiment, out, base, bundle, force=False, bias=5.0, form="pr
     return _models(exp, base, allow_other_model)
 
 
-def check_dump(inputs, model, out) -> None:
+def check_dump(inputs, model, out, generate=None, ref_logits: bool = False) -> None:
+    """Inputs exist; --out is a folder (or new path) that is not an input, writable, with room on its disk for
+    the dumps (l47.app.dumping.estimate_dump_bytes: the documents' token counts x the model's dims, read without
+    loading the model)."""
+    from l47.app.dumping import estimate_dump_bytes
+
     if not Path(inputs).exists():
         raise L47Error(inputs, "input", "an existing JSONL file or dataset", "nothing at that path")
     if not Path(model).exists():
         raise L47Error(model, "--model", "a qwen4exp GGUF or a transformers checkpoint folder", "nothing there")
-    check_outputs([Output(out, DUMP_DIR, "--out")], [(inputs, "input documents"), (model, "model")])
+    ins = [(inputs, "input documents"), (model, "model")]
+    check_outputs([Output(out, DUMP_DIR, "--out")], ins)  # the path itself first: a file or an input is refused
+    est = estimate_dump_bytes(model, inputs, out, generate, ref_logits)
+    if est is not None and est[0] > 0:
+        nb, k = est
+        check_outputs([Output(out, DUMP_DIR, "--out", nbytes=nb, nbytes_what=f"{k} dump(s), estimated")], ins)
 
 
 def check_bench(json_out, force=False) -> None:

@@ -1,0 +1,96 @@
+"""`l47 dump` checks the free disk before the model is loaded (issue 14 item 1).
+
+The estimate (l47.app.dumping.estimate_dump_bytes: documents' token counts x the model's dims) is compared with
+the bytes the dumps really take on disk: never below them, and above them by at most the header allowance
+(16 KiB + 8 bytes per text byte per document; the arrays are counted exactly). Then the refusal: with the disk's
+free space reported one byte short of the estimate, `l47 dump` exits 2 with one line naming the folder, the bytes
+needed and the bytes free, creates nothing, and never loads the model; with room, it gets past the check.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from l47.app.cli import app
+
+_Usage = namedtuple("_Usage", "total used free")
+TEXTS = ["the quick brown fox jumps over the lazy dog " * 3, "a model reads text and predicts the next token",
+         "rather than guessing, we checked it end to end"]
+
+
+def _docs(tmp_path: Path) -> Path:
+    p = tmp_path / "docs.jsonl"
+    rows = [{"id": f"t{i}", "text": t} for i, t in enumerate(TEXTS)]
+    rows.append({"id": "chat", "messages": [{"role": "user", "content": "hello there"},
+                                            {"role": "assistant", "content": "hi, here is the answer"}]})
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+@pytest.mark.parametrize("ref_logits", [False, True], ids=["states", "with-ref-logits"])
+def test_estimate_bounds_the_bytes_written(tmp_path, tiny_gguf, ref_logits):
+    from l47.app.dumping import _HEADER_BASE, _HEADER_PER_TEXT_BYTE, estimate_dump_bytes, run_dump
+
+    docs, out = _docs(tmp_path), tmp_path / "d"
+    est, k = estimate_dump_bytes(tiny_gguf, docs, out, ref_logits=ref_logits)
+    s = run_dump("hf", tiny_gguf, docs, out, ref_logits=ref_logits)
+    assert s.ok and k == 4 == s.count("written")
+    actual = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    text = sum(len(t.encode()) for t in TEXTS) + 200  # the chat's rendered text is < 200 bytes
+    assert actual <= est <= actual + 4 * _HEADER_BASE + _HEADER_PER_TEXT_BYTE * text, (est, actual)
+    # a rerun into the same folder adds only room for one replacement (the largest dump, written beside the old)
+    est2, k2 = estimate_dump_bytes(tiny_gguf, docs, out, ref_logits=ref_logits)
+    biggest = max(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert k2 == 0 and biggest <= est2 <= biggest + _HEADER_BASE + _HEADER_PER_TEXT_BYTE * text
+
+
+def test_estimate_bounds_generated_dumps(tmp_path, tiny_gguf):
+    from l47.app.dumping import GenerateOptions, estimate_dump_bytes, run_dump
+
+    docs, out = _docs(tmp_path), tmp_path / "g"
+    gen = GenerateOptions(max_new_tokens=12, seed=1)
+    est, k = estimate_dump_bytes(tiny_gguf, docs, out, gen)
+    s = run_dump("hf", tiny_gguf, docs, out, generate=gen)
+    assert s.ok and k == 4
+    assert sum(p.stat().st_size for p in out.glob("*.safetensors")) <= est
+
+
+def _run_dump_cli(monkeypatch, tmp_path, tiny_gguf, free: int):
+    import l47.app.dumping as dumping
+
+    def no_load(*a, **kw):
+        raise dumping.L47Error("test", "model load", "not reached", "reached")
+
+    monkeypatch.setattr(dumping, "_load_engine", no_load)  # the check must come before the model is loaded
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(1 << 40, (1 << 40) - free, free))
+    out = tmp_path / "new" / "dumps"
+    r = CliRunner().invoke(app, ["dump", str(_docs(tmp_path)), "--model", str(tiny_gguf), "--out", str(out)])
+    errs = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.output
+    assert "Traceback" not in r.output and len(errs) == 1, r.output
+    return r, errs[0], out
+
+
+def test_dump_refused_when_the_disk_is_short(monkeypatch, tmp_path, tiny_gguf):
+    from l47.app.dumping import estimate_dump_bytes
+    from l47.app.paths import _fmt_bytes
+
+    docs = _docs(tmp_path)
+    est, _ = estimate_dump_bytes(tiny_gguf, docs, tmp_path / "new" / "dumps")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r, err, out = _run_dump_cli(monkeypatch, tmp_path, tiny_gguf, free=est - 1)
+    assert r.exit_code == 2
+    for must in (str(out), "--out", f"at least {_fmt_bytes(est)} free", "4 dump(s)", f"{_fmt_bytes(est - 1)} free in",
+                 str(tmp_path)):
+        assert must in err, (must, err)
+    assert "model load" not in err  # refused before the model was loaded
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created
+
+    r, err, out = _run_dump_cli(monkeypatch, tmp_path, tiny_gguf, free=est + (1 << 20))
+    assert r.exit_code == 2 and "model load" in err  # room enough: the check passed and the load was next
