@@ -368,7 +368,9 @@ def _plan(experiment, model, sets_json, json_out, device) -> bool:
                   str(p.events.get("heldout", 0)), _fmt(p.p_base, ".3f"), _fmt(p.needed_gap, ".2f"),
                   _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.span_share_mean, ".0%"),
                   p.binding)
-    console.print(t)
+    from l47.app.tables import fit
+
+    console.print(fit(t, console.width))  # 80 columns: the vertical form when the columns do not fit
     console.print(f"anchors: {fp.anchors} rows ({fp.turn_ends} turn ends), rank {fp.anchor_rank} of f = {fp.f}"
                   + ("" if choice is None else f", budget {choice.budget}"), highlight=False)
     for word, c in sorted(fp.words.items(), key=lambda kv: -kv[1]["unique_directions"])[:6]:
