@@ -237,6 +237,8 @@ def dump(
     engine_bin: Optional[Path] = typer.Option(None, "--engine-bin", help="Strata binary (or set STRATA_BIN)"),
     layer: Optional[int] = typer.Option(None, help="the last layer (default); any other is refused"),
     generate: bool = typer.Option(False, help="sample the assistant turn with the model (provenance generated)"),
+    think: bool = typer.Option(False, help="with --generate: the turn opens with a <think> block (held-out and "
+                               "blind chats)"),
     max_new_tokens: int = typer.Option(256),
     seed: int = typer.Option(0),
     temperature: float = typer.Option(0.7),
@@ -260,7 +262,10 @@ def dump(
 
     from l47.app.paths import check_dump
 
-    gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k) if generate else None
+    if think and not generate:
+        raise L47Error("l47 dump", "--think", "--think with --generate (it shapes the sampled turn)", "--think alone")
+    gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k, think=True if think else None) \
+        if generate else None
     check_dump(inputs, model, out, gen, ref_logits)  # paths and disk space, before the model is loaded
     summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
                        policy=policy, device=device, engine_bin=engine_bin, placement=placement, batch=batch)

@@ -9,6 +9,9 @@ here parses, and that docs/EXPERIMENT.md's tables and TOML examples agree with i
 Layout written (DIR/):
     experiment.toml         the experiment (relative paths resolve against DIR)
     prompts/chats.jsonl     prompts for the model's own generations -> dumps/generated/ (the train/dev/heldout pool)
+    prompts/chat_heldout.jsonl, prompts/blind.jsonl
+                            prompts held back from every other set: the held-out chats and the blind chat are
+                            the model's own generations (with a <think> block) from them (docs/AUDIT.md)
     texts/<set>.jsonl       documents of every other set -> dumps/<set>/
     dumps/                  written by `l47 dump`
 """
@@ -40,8 +43,8 @@ SET_MEANINGS = {
     "collateral_anchor": "natural text with ordinary uses of the final words: protected by the solver",
     "collateral_eval": "same kind, other documents: audit bar (d)",
     "background": "plain and chat-formatted text: the solver's background KL",
-    "chat_heldout": "multi-turn chat with <think> blocks and turn ends: audit bars (f), (g)",
-    "blind": "one fresh chat nobody tuning the solver has seen: `l47 audit --blind`",
+    "chat_heldout": "the model's own chats (<think> block, turn ends) from held-back prompts: bars (f), (g)",
+    "blind": "one chat the model generates from a held-back prompt, never scored: `l47 audit --blind`",
 }
 
 THRESHOLD_MEANINGS = {
@@ -202,7 +205,10 @@ def toml_value(v) -> str:
 # the folder
 
 PROMPTS = "prompts/chats.jsonl"
-TEXT_SETS = ("collateral_anchor", "collateral_eval", "background", "chat_heldout", "blind")
+TEXT_SETS = ("collateral_anchor", "collateral_eval", "background")
+# sets that are the model's own chats (with a <think> block) from held-back prompts: the audit's held-out chats
+# must be natural for the model (proxy.base_ce) and the blind chat its own generation, never scored before
+CHAT_SETS = ("chat_heldout", "blind")
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,8 @@ class InitResult:
 def next_commands(model: str, kld: tuple[str, ...]) -> list[str]:
     """What to run in the folder after filling it (docs: README's walk)."""
     cmds = [f"l47 dump {PROMPTS} --model {model} --out dumps/generated --generate"]
+    cmds += [f"l47 dump prompts/chat_heldout.jsonl --model {model} --out dumps/chat_heldout --generate --think",
+             f"l47 dump prompts/blind.jsonl --model {model} --out dumps/blind --generate --think --seed 1"]
     cmds += [f"l47 dump texts/{s}.jsonl --model {model} --out dumps/{s}" for s in TEXT_SETS]
     cmds += [f"l47 dump texts/kld_{d}.jsonl --model {model} --out dumps/kld_{d}" for d in kld]
     cmds += ["l47 sets experiment.toml --json sets.json",
@@ -235,7 +243,7 @@ def next_commands(model: str, kld: tuple[str, ...]) -> list[str]:
              "l47 solve experiment.toml --sets sets.json --out bundle.gguf",
              f"l47 audit bundle.gguf --base {model} --experiment experiment.toml --out audit",
              f"l47 audit bundle.gguf --base {model} --experiment experiment.toml --out audit-blind "
-             "--blind dumps/blind/blind.safetensors --dev-report audit/report.json"]
+             "--blind dumps/blind/*.safetensors --dev-report audit/report.json"]
     return cmds
 
 
@@ -286,7 +294,7 @@ def render_experiment(args: InitArgs, model_str: str) -> str:
             L.append(line(k))
     L += ["", "[sets]  # set name = dump paths; every document in one set only"]
     for k in by("sets"):
-        if k.name in TEXT_SETS:
+        if k.name in TEXT_SETS + CHAT_SETS:
             L.append(f"{k.name} = [\"dumps/{k.name}/*.safetensors\"]{_comment(k.meaning)}")
         elif k.name != "kld":
             L.append(f"# {k.name} = []{_comment(k.meaning)}  (or from [split])")
@@ -370,7 +378,8 @@ def run_init(args: InitArgs) -> InitResult:
     model_str = _model_str(folder, args.model)
     text = render_experiment(args, model_str)
     _check_parses(text)
-    fill = [PROMPTS] + [f"texts/{s}.jsonl" for s in TEXT_SETS] + [f"texts/kld_{d}.jsonl" for d in args.kld]
+    fill = [PROMPTS] + [f"prompts/{s}.jsonl" for s in CHAT_SETS] + [f"texts/{s}.jsonl" for s in TEXT_SETS]
+    fill += [f"texts/kld_{d}.jsonl" for d in args.kld]
     for sub in ("prompts", "texts", "dumps"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     write_text_atomic(exp, text)
