@@ -58,7 +58,17 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
 # Markdown
 
 
+# the report's sections, in order: each a pure function of report.json -> markdown lines
 def render_markdown(r: dict) -> str:
+    """report.json -> report.md: the sections below, in order."""
+    L: list[str] = []
+    for section in _MD_SECTIONS:
+        L += section(r)
+    return "\n".join(L) + "\n"
+
+
+def _md_head(r: dict) -> list[str]:
+    """Verdict line and inputs (documents by content hash)."""
     L: list[str] = []
     verdict = ("PASS" if r["passed"] else "FAIL") + "".join(f" — {x}" for x in r.get("stamps") or ())
     L += [f"# l47 audit ({r['mode']}): {verdict}", "",
@@ -74,7 +84,12 @@ def render_markdown(r: dict) -> str:
         L += _table(["set", "document", "T", "verified", "refused", "sha256"],
                     [[d["set"], d["path"], d["T"], d["verified"], "; ".join(d["reasons"]) if d["refused"] else "no",
                       d["sha256"][:16] + "…"] for d in docs])
+    return L
 
+
+def _md_bars(r: dict) -> list[str]:
+    """Every registered bar and the thresholds used."""
+    L: list[str] = []
     L += ["## Bars", ""]
     L += _table(["bar", "value", "", "threshold", "status", "aggregation", "definition"],
                 [[b["name"], b["value"], b["direction"], b["threshold"],
@@ -85,7 +100,12 @@ def render_markdown(r: dict) -> str:
     L += _table(["threshold", "value"], [[k, v] for k, v in r["thresholds"].items()])
     L += _table(["bar", "threshold", "from"], [[b["name"], b["threshold"], b["threshold_from"] or "fixed"]
                                                for b in r["bars"]])
+    return L
 
+
+def _md_bundle(r: dict) -> list[str]:
+    """What changed in the bundle."""
+    L: list[str] = []
     b = r.get("bundle") or {}
     if b:
         L += ["## Bundle", "",
@@ -100,7 +120,12 @@ def render_markdown(r: dict) -> str:
         if b.get("metadata_omitted"):
             L += [f"- overlay omits {len(b['metadata_omitted'])} base metadata keys"]
         L += [""]
+    return L
 
+
+def _md_proxy(r: dict) -> list[str]:
+    """Not a proxy: base CE and zero-proxy per document."""
+    L: list[str] = []
     p = r.get("proxy") or {}
     if p:
         L += ["## Not a proxy", "", f"ln V = {_f(p['ln_V'])}; limit {_f(p['limit'])}; unverified dumps: "
@@ -108,7 +133,12 @@ def render_markdown(r: dict) -> str:
         L += _table(["document", "set", "T", "base CE", "top-1", "zero-proxy max rel"],
                     [[k, v["set"], v["T"], v["ce"], v["top1"], (p["zero_proxy"].get(k) or {}).get("max_rel")]
                      for k, v in p["docs"].items()])
+    return L
 
+
+def _md_record(r: dict) -> list[str]:
+    """The solve record's positions and the claims re-derived."""
+    L: list[str] = []
     rec = r.get("record") or {}
     if rec:
         L += ["## Solve record", ""]
@@ -141,7 +171,12 @@ def render_markdown(r: dict) -> str:
                     [[k, v["claimed"], v["rederived"], v["ok"], v["definition"]] for k, v in c["compared"].items()])
         if c["not_rederived"]:
             L += [f"not re-derived: {', '.join(c['not_rederived'])}", ""]
+    return L
 
+
+def _md_split(r: dict) -> list[str]:
+    """Split and slop per set."""
+    L: list[str] = []
     sp = r.get("split")
     if sp:
         L += ["## Split", "", f"events {sp['events']}, held-out share {_f(sp['heldout_frac'])}", ""]
@@ -159,7 +194,12 @@ def render_markdown(r: dict) -> str:
         L += _table(["set", "n", "p before", "p after", "reduction", "Σp special before", "after"],
                     [[s, v["n"], v["p_before"], v["p_after"], v["reduction"], v.get("special_p_before"),
                       v.get("special_p_after")] for s, v in ps.items()])
+    return L
 
+
+def _md_collateral(r: dict) -> list[str]:
+    """Collateral words (d)."""
+    L: list[str] = []
     col = r.get("collateral")
     if col:
         L += ["## Collateral (collateral_eval)", "",
@@ -168,7 +208,12 @@ def render_markdown(r: dict) -> str:
         L += _table(["word", "n", "mean Δlog p", "frac below", "worst", "worst context", "p before → after"],
                     [[repr(k), v["n"], v["mean_dlogp"], v["frac_below"], v["worst"], v["worst_context"],
                       f"{_f(v['worst_p'][0])} → {_f(v['worst_p'][1])}"] for k, v in col["per_word"].items()])
+    return L
 
+
+def _md_kld(r: dict) -> list[str]:
+    """KLD statistics per set (e) and the engine-level checks."""
+    L: list[str] = []
     kld = r.get("kld") or {}
     if kld:
         L += ["## KLD statistics per set (exact, f32 logits, f64 sums, full vocabulary)", ""]
@@ -192,7 +237,12 @@ def render_markdown(r: dict) -> str:
         if eng.get("kld"):
             L += _table(["set", "engine KLD", "floor (engine vs exact base)", "tail-forward KLD"],
                         [[k, v["kld"], v["floor"], v["tail_kld"]] for k, v in eng["kld"].items()])
+    return L
 
+
+def _md_chat(r: dict) -> list[str]:
+    """Special tokens, turn ends, ordinary tokens (f), (g); blind vs dev."""
+    L: list[str] = []
     chat = r.get("chat") or {}
     bl = r.get("blind") or {}
     flips = chat.get("flips") or bl.get("flips")
@@ -221,7 +271,12 @@ def render_markdown(r: dict) -> str:
         L += ["## Blind vs dev", ""]
         L += _table(["figure", "blind", "dev", "blind/dev", "definition"],
                     [[c["figure"], c["blind"], c["dev"], c["blind/dev"], c["definition"]] for c in bl["comparisons"]])
+    return L
 
+
+def _md_penalty(r: dict) -> list[str]:
+    """The sampler penalty, warnings and notes."""
+    L: list[str] = []
     pen = r.get("penalty")
     if pen:
         L += ["## Sampler penalty (seed §6.3)", "",
@@ -245,7 +300,11 @@ def render_markdown(r: dict) -> str:
         L += ["## Sets warnings", ""] + [f"- {_md(x)}" for x in r["sets_warnings"]] + [""]
     if r.get("notes"):
         L += ["## Notes", ""] + [f"- {_md(x)}" for x in r["notes"]] + [""]
-    return "\n".join(L) + "\n"
+    return L
+
+
+_MD_SECTIONS = (_md_head, _md_bars, _md_bundle, _md_proxy, _md_record, _md_split, _md_collateral, _md_kld, _md_chat,
+                _md_penalty)
 
 
 def _slop_md(s: dict, title: str) -> list[str]:

@@ -228,20 +228,44 @@ def parse_thresholds(d: dict, where: Path | str = "thresholds") -> Thresholds:
 
 
 def load_experiment(path, check_files: bool = True) -> Experiment:
-    """Parse and validate an experiment TOML (docs/EXPERIMENT.md)."""
+    """Parse and validate an experiment TOML (docs/EXPERIMENT.md): the steps below, each raising L47Error that
+    names the key; missing dump files are gathered and reported together."""
     path = Path(path)
+    d = _read_toml(path)
+    _unknown(path, "", d, TOP_KEYS)
+    base = path.resolve().parent
+    missing: list[str] = []
+    name, model, vocab, policy = _parse_top(path, d, base, missing, check_files)
+    sets = _parse_sets(path, d.get("sets", {}), base, missing)
+    split = _parse_split(path, d["split"], sets, base, missing) if "split" in d else None
+    phrases = _parse_phrases(path, d.get("phrases", []))
+    words = _parse_collateral(path, d.get("collateral", {}))
+    thresholds = parse_thresholds(d.get("thresholds", {}), path)
+    solver = d.get("solver", {})
+    if not isinstance(solver, dict):
+        raise L47Error(path, "solver", "a table", repr(solver)[:80])
+    if check_files and missing:
+        shown = "; ".join(missing[:8]) + (f"; … and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise L47Error(path, "dump files", f"existing files (paths are relative to {base})",
+                       f"{len(missing)} missing: {shown}")
+    _check_one_set_per_document(path, sets, split)
+    return Experiment(path=path, name=name, model=model, vocab=vocab, policy=policy, sets=sets, split=split,
+                      phrases=phrases, collateral_words=words, thresholds=thresholds, solver=dict(solver))
+
+
+def _read_toml(path: Path) -> dict:
     if not path.is_file():
         raise L47Error(path, "file", "an experiment TOML file", "a directory" if path.is_dir() else "missing")
     try:
-        d = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise L47Error(path, "TOML", "valid TOML", str(e)) from None
     except UnicodeDecodeError as e:
         raise L47Error(path, "encoding", "UTF-8 text", str(e)) from None
-    _unknown(path, "", d, TOP_KEYS)
-    base = path.resolve().parent
-    missing: list[str] = []
 
+
+def _parse_top(path: Path, d: dict, base: Path, missing: list[str], check_files: bool):
+    """name, model (resolved against the file's folder), vocab source, weight policy."""
     name = d.get("name", path.stem)
     if not isinstance(name, str):
         raise L47Error(path, "name", "a string", repr(name))
@@ -259,9 +283,11 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
     policy = d.get("policy", "strata")
     if policy not in POLICIES:
         raise L47Error(path, "policy", f"one of {list(POLICIES)}", repr(policy))
+    return name, model, vocab, policy
 
-    # --- sets
-    sets_d = d.get("sets", {})
+
+def _parse_sets(path: Path, sets_d, base: Path, missing: list[str]) -> dict[str, tuple[Path, ...]]:
+    """[sets] and [sets.kld]: set name -> dump paths (globs expanded)."""
     if not isinstance(sets_d, dict):
         raise L47Error(path, "sets", "a table of set name = [paths]", repr(sets_d)[:80])
     _unknown(path, "[sets]", sets_d, SETS + (KLD,))
@@ -274,29 +300,30 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
         raise L47Error(path, f"sets.{KLD}", "a table of domain = [paths] (e.g. kld.ops_tools = [...])", repr(kld)[:80])
     for dom, v in kld.items():
         sets[f"{KLD}.{dom}"] = _paths(path, f"sets.{KLD}.{dom}", v, base, missing)
+    return sets
 
-    # --- split
-    split = None
-    if "split" in d:
-        sd = d["split"]
-        if not isinstance(sd, dict):
-            raise L47Error(path, "split", "a table {pool, seed, train, dev, heldout}", repr(sd)[:80])
-        _unknown(path, "[split]", sd, SPLIT_KEYS)
-        given = [s for s in SPLIT_SETS if s in sets]
-        if given:
-            raise L47Error(path, "split", "either a [split] pool or explicit train/dev/heldout lists, not both",
-                           f"[split] and sets.{given[0]}")
-        if "pool" not in sd:
-            raise L47Error(path, "split.pool", "a list of dump paths to split by document", "missing")
-        pool = _paths(path, "split.pool", sd["pool"], base, missing)
-        seed = _num(path, "split.seed", sd.get("seed", 0), int, 0)
-        fr = {s: _num(path, f"split.{s}", sd.get(s, DEFAULT_FRACTIONS[s]), float, 0.0, 1.0) for s in SPLIT_SETS}
-        if abs(sum(fr.values()) - 1.0) > 1e-6:
-            raise L47Error(path, "split fractions", "train + dev + heldout = 1", f"{sum(fr.values()):g}")
-        split = SplitSpec(pool, seed, fr)
 
-    # --- phrases
-    ph = d.get("phrases", [])
+def _parse_split(path: Path, sd, sets: dict, base: Path, missing: list[str]) -> SplitSpec:
+    """[split]: a pool split by document (never beside explicit train/dev/heldout lists)."""
+    if not isinstance(sd, dict):
+        raise L47Error(path, "split", "a table {pool, seed, train, dev, heldout}", repr(sd)[:80])
+    _unknown(path, "[split]", sd, SPLIT_KEYS)
+    given = [s for s in SPLIT_SETS if s in sets]
+    if given:
+        raise L47Error(path, "split", "either a [split] pool or explicit train/dev/heldout lists, not both",
+                       f"[split] and sets.{given[0]}")
+    if "pool" not in sd:
+        raise L47Error(path, "split.pool", "a list of dump paths to split by document", "missing")
+    pool = _paths(path, "split.pool", sd["pool"], base, missing)
+    seed = _num(path, "split.seed", sd.get("seed", 0), int, 0)
+    fr = {s: _num(path, f"split.{s}", sd.get(s, DEFAULT_FRACTIONS[s]), float, 0.0, 1.0) for s in SPLIT_SETS}
+    if abs(sum(fr.values()) - 1.0) > 1e-6:
+        raise L47Error(path, "split fractions", "train + dev + heldout = 1", f"{sum(fr.values()):g}")
+    return SplitSpec(pool, seed, fr)
+
+
+def _parse_phrases(path: Path, ph) -> tuple[Phrase, ...]:
+    """[[phrases]]: non-blank, each once (case-insensitive)."""
     if not isinstance(ph, list):
         raise L47Error(path, "phrases", "an array of tables [[phrases]] text = \"...\"", repr(ph)[:80])
     phrases: list[Phrase] = []
@@ -319,9 +346,10 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
             raise L47Error(path, f"phrases[{i}].text", "each phrase once (variants are generated)",
                            f"{p.text!r} again (phrases[{seen[k]}])")
         seen[k] = i
+    return tuple(phrases)
 
-    # --- collateral
-    col = d.get("collateral", {})
+
+def _parse_collateral(path: Path, col) -> tuple[str, ...]:
     if not isinstance(col, dict):
         raise L47Error(path, "collateral", "a table with words = [...]", repr(col)[:80])
     _unknown(path, "[collateral]", col, COLLATERAL_KEYS)
@@ -329,18 +357,11 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
     if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
         raise L47Error(path, "collateral.words", "a list of non-empty token strings, e.g. [\" than\", \" what\"]",
                        repr(words)[:80])
+    return tuple(words)
 
-    thresholds = parse_thresholds(d.get("thresholds", {}), path)
-    solver = d.get("solver", {})
-    if not isinstance(solver, dict):
-        raise L47Error(path, "solver", "a table", repr(solver)[:80])
 
-    if check_files and missing:
-        shown = "; ".join(missing[:8]) + (f"; … and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise L47Error(path, "dump files", f"existing files (paths are relative to {base})",
-                       f"{len(missing)} missing: {shown}")
-
-    # --- one set per document
+def _check_one_set_per_document(path: Path, sets: dict, split: SplitSpec | None) -> None:
+    """Each dump path in one set only (by path here; by content in l47.data.sets)."""
     where_is: dict[Path, str] = {}
     pool_paths = split.pool if split else ()
     for s, ps in list(sets.items()) + [("split.pool", pool_paths)]:
@@ -350,7 +371,3 @@ def load_experiment(path, check_files: bool = True) -> Experiment:
                 raise L47Error(path, f"sets.{s}" if s != "split.pool" else s,
                                "each document in one set only", f"{p} also in {where_is[k]}")
             where_is[k] = f"sets.{s}" if s != "split.pool" else s
-
-    return Experiment(path=path, name=name, model=model, vocab=vocab, policy=policy, sets=sets, split=split,
-                      phrases=tuple(phrases), collateral_words=tuple(words), thresholds=thresholds,
-                      solver=dict(solver))
