@@ -231,7 +231,8 @@ _SHA_CACHE: dict[tuple, str] = {}  # (realpath, dev, inode, size, mtime_ns) -> s
 
 
 def open_gguf(path) -> GGUFFile:
-    """Parse a GGUF's header, metadata and tensor table; memory-map the file. Tolerates unknown tensor types."""
+    """Parse a GGUF's header, metadata and tensor table; memory-map the file. Tolerates unknown tensor types.
+    The steps follow the file's layout: header, metadata, tensor table, tensor data placement."""
     path = Path(path)
     if not path.is_file():
         raise L47Error(path, "file", "an existing GGUF file", "missing")
@@ -243,17 +244,38 @@ def open_gguf(path) -> GGUFFile:
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise L47Error(path, "magic", "b'GGUF' (not a GGUF file?)", repr(bytes(buf[:4])))
     cur = _Cursor(buf, path)
+    version, n_tensors, n_kv = _read_header(cur)
+    kv, kv_types, kv_item_types, kv_spans = _read_metadata(cur, n_kv)
+    alignment = kv.get(KEY_ALIGNMENT, DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 \
+            or alignment & (alignment - 1):
+        raise L47Error(path, f"metadata {KEY_ALIGNMENT}", "a power of two", repr(alignment))
+    table_start = cur.pos
+    raw_table = _read_tensor_table(cur, n_tensors)
+    table_end = cur.pos
+    data_offset = _align(table_end, alignment)
+    tensors, extents = _place_tensors(path, raw_table, data_offset, alignment, size)
+    return GGUFFile(path, version, alignment, data_offset, kv, kv_types, kv_item_types, tensors, mm, kv_spans,
+                    (table_start, table_end), extents)
+
+
+def _read_header(cur: _Cursor) -> tuple[int, int, int]:
+    """version, tensor count, metadata count (after the 4-byte magic)."""
     cur.pos = 4
     cur.field = "version"
     version = cur.unpack("<I")
     if version not in SUPPORTED_VERSIONS:
         hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
-        raise L47Error(path, "version", f"one of {SUPPORTED_VERSIONS}", f"{version}{hint}")
+        raise L47Error(cur.path, "version", f"one of {SUPPORTED_VERSIONS}", f"{version}{hint}")
     cur.field = "tensor count"
     n_tensors = cur.unpack("<Q")
     cur.field = "kv count"
     n_kv = cur.unpack("<Q")
+    return version, n_tensors, n_kv
 
+
+def _read_metadata(cur: _Cursor, n_kv: int):
+    """key -> value, value type, array item type, and the byte span of each encoded entry."""
     kv: dict[str, object] = {}
     kv_types: dict[str, int] = {}
     kv_item_types: dict[str, int] = {}
@@ -264,20 +286,18 @@ def open_gguf(path) -> GGUFFile:
         k = cur.string()
         cur.field = f"metadata {k}"
         if k in kv:
-            raise L47Error(path, cur.field, "unique metadata keys", "a duplicate")
+            raise L47Error(cur.path, cur.field, "unique metadata keys", "a duplicate")
         vtype = cur.unpack("<I")
         v, itype = cur.value(vtype)
         kv[k], kv_types[k] = v, vtype
         if itype is not None:
             kv_item_types[k] = itype
         kv_spans[k] = (start, cur.pos)
+    return kv, kv_types, kv_item_types, kv_spans
 
-    alignment = kv.get(KEY_ALIGNMENT, DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 \
-            or alignment & (alignment - 1):
-        raise L47Error(path, f"metadata {KEY_ALIGNMENT}", "a power of two", repr(alignment))
 
-    table_start = cur.pos
+def _read_tensor_table(cur: _Cursor, n_tensors: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """(name, ne as stored — fastest dimension first, ggml type, offset relative to the data section)."""
     raw_table: list[tuple[str, tuple[int, ...], int, int]] = []
     for i in range(n_tensors):
         cur.field = f"tensor table entry {i}"
@@ -285,14 +305,17 @@ def open_gguf(path) -> GGUFFile:
         cur.field = f"tensor {name} (table entry {i})"
         n_dims = cur.unpack("<I")
         if n_dims > GGML_MAX_DIMS:
-            raise L47Error(path, cur.field, f"at most {GGML_MAX_DIMS} dims", f"{n_dims}")
+            raise L47Error(cur.path, cur.field, f"at most {GGML_MAX_DIMS} dims", f"{n_dims}")
         ne = tuple(cur.unpack("<Q") for _ in range(n_dims))
         gtype = cur.unpack("<I")
         rel = cur.unpack("<Q")
         raw_table.append((name, ne, gtype, rel))
-    table_end = cur.pos
-    data_offset = _align(table_end, alignment)
+    return raw_table
 
+
+def _place_tensors(path: Path, raw_table, data_offset: int, alignment: int, size: int):
+    """TensorInfo per name (LOGICAL shape, absolute offset, byte size) and each tensor's extent (bytes up to the
+    next tensor's start or EOF: the span unknown types are compared by); overlaps and truncation refused."""
     tensors: dict[str, TensorInfo] = {}
     for name, ne, gtype, rel in raw_table:
         field = f"tensor {name}"
@@ -308,17 +331,13 @@ def open_gguf(path) -> GGUFFile:
             raise L47Error(path, f"{field} data", f"bytes [{start}, {end}) inside the file (truncated?)",
                            f"file ends at {size}")
         tensors[name] = TensorInfo(name, gtype, type_name(gtype), shape, start, nbytes)
-
-    # extent of each tensor = up to the next tensor's start (or EOF); the span unknown types are compared by
     order = sorted(tensors.values(), key=lambda t: t.offset)
     extents = {t.name: (order[i + 1].offset if i + 1 < len(order) else size) - t.offset for i, t in enumerate(order)}
     for t in order:
         if t.nbytes is not None and t.nbytes > extents[t.name]:
             raise L47Error(path, f"tensor {t.name} data", "tensor data ranges that do not overlap",
                            f"{t.nbytes} bytes but the next tensor starts {extents[t.name]} bytes later")
-
-    return GGUFFile(path, version, alignment, data_offset, kv, kv_types, kv_item_types, tensors, mm, kv_spans,
-                    (table_start, table_end), extents)
+    return tensors, extents
 
 
 def tensors_equal_bytes(a: GGUFFile, b: GGUFFile, name: str) -> bool:
