@@ -255,16 +255,6 @@ def is_scored_set(name: str) -> bool:
     return name in SCORED_SETS or name.startswith(KLD + ".")
 
 
-def _refuse(d: _Doc, reason: str) -> None:
-    """Refuse an already processed document (its events and collateral no longer count)."""
-    d.report = replace(d.report, refused=True, reasons=d.report.reasons + (reason,))
-
-
-def is_scored_set(name: str) -> bool:
-    """Sets the audit scores as evidence (never shown to the solver)."""
-    return name in SCORED_SETS or name.startswith(KLD + ".")
-
-
 def _refused(d: _Doc, reason: str, doc_id: str = "", T: int = 0) -> _Doc:
     d.report = DocReport(d.set, str(d.path), d.sha, doc_id, T, False, None, 0, 0, 0, Coverage(), refused=True,
                          reasons=(reason,), content_key=d.sha, file_sha256=d.file_sha)
@@ -272,56 +262,77 @@ def _refused(d: _Doc, reason: str, doc_id: str = "", T: int = 0) -> _Doc:
 
 
 def _process(d: _Doc, ctx: dict) -> _Doc:
+    """One document: read it (identity = its token ids), check it fits the model, score it once with the base
+    head (never a blind one), find its events and collateral, guard it (provenance, salad, CE, sampler, chat
+    structure) and report it."""
     from l47.dumps import read_dump
-    from l47.dumps.select import (chat_structure, find_collateral, find_events, guard_document,
-                                  provenance_reasons, system_spans)
+    from l47.dumps.select import find_collateral, find_events
     from l47.model.weights import check_dump_dims
 
-    w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
+    w, vocab = ctx["weights"], ctx["vocab"]
     try:
         dump = read_dump(d.path)
     except L47Error as e:
         return _refused(d, f"unreadable dump: {e}")
+    _identify(d, dump)
+    try:
+        check_dump_dims(w, dump.meta, str(d.path))
+    except L47Error as e:
+        return _refused(d, str(e), dump.meta.doc_id, dump.T)
+    tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
+    role = np.asarray(dump.role)  # [T]
+    bad = tokens[(tokens < 0) | (tokens >= vocab.size)]
+    if bad.size:
+        return _refused(d, f"token id {int(bad[0])} outside the vocabulary ({vocab.size} ids)", dump.meta.doc_id,
+                        dump.T)
+    events = find_events(tokens, ctx["phrases"], role)
+    collat = find_collateral(tokens, ctx["words"], ctx["phrases"], role)
+    # every readable document is scored once: base p at events / collateral, and CE (the not-a-proxy figure) —
+    # except a blind document, which only `l47 audit --blind` may score, once (its structure is still checked)
+    if d.set == "blind":
+        stats, logp = None, np.full(dump.T, np.nan)  # [T]
+        d.events, d.collateral = [], []
+    else:
+        stats = ctx["base_stats"](dump, min(SAMPLER_TOPK, w.V) if d.set in GUARDED else 1)
+        logp = stats.logp_target  # [T] f64
+        d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
+        d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
+    reasons, guard, chat = _guard(d, dump, tokens, role, stats, ctx)
+    d.report = _doc_report(d, dump, tokens, role, logp if stats is not None else None, chat, guard, reasons,
+                           len(collat), ctx)
+    return d
+
+
+def _identify(d: _Doc, dump) -> None:
+    """The document's identity (the sha256 of its token ids), its content targets and generated roles."""
+    from l47.dumps.select import system_spans
+
     d.sha = dump.sha256  # content hash of the token ids (l47.dumps.content_hash): the document's identity
     d.content_key = d.sha
     d.file_sha = dump.file_sha256
     d.ids_roles = (np.asarray(dump.tokens, dtype=np.int64), np.asarray(dump.role))
     d.systems = tuple(system_spans(*d.ids_roles))
     d.content = d.content_of(())  # [C] the targets that are not chat markup
-    meta = dump.meta
-    d.generated_roles = frozenset(names.ROLE_ID[r] for r, v in (meta.provenance or {}).items()
+    d.generated_roles = frozenset(names.ROLE_ID[r] for r, v in (dump.meta.provenance or {}).items()
                                   if r in names.ROLE_ID and v == PROV_GENERATED)
-    T = dump.T
-    try:
-        check_dump_dims(w, meta, str(d.path))
-    except L47Error as e:
-        return _refused(d, str(e), meta.doc_id, T)
-    tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
-    role = np.asarray(dump.role)  # [T]
-    bad = tokens[(tokens < 0) | (tokens >= vocab.size)]
-    if bad.size:
-        return _refused(d, f"token id {int(bad[0])} outside the vocabulary ({vocab.size} ids)", meta.doc_id, T)
 
-    events = find_events(tokens, ctx["phrases"], role)
-    collat = find_collateral(tokens, ctx["words"], ctx["phrases"], role)
+
+def _guard(d: _Doc, dump, tokens, role, stats, ctx):
+    """Reasons to refuse the document: provenance and the natural-text guards (sets the solver or the audit's
+    natural-text bars read), and the chat structure a chat set needs. -> (reasons, guard result, chat)."""
+    from l47.dumps.select import chat_structure, guard_document, provenance_reasons
+
+    w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
+    meta = dump.meta
     chat = chat_structure(tokens, role, vocab.special_ids)
-    guarded = d.set in GUARDED
-    # every readable document is scored once: base p at events / collateral, and CE (the not-a-proxy figure) —
-    # except a blind document, which only `l47 audit --blind` may score, once (its structure is still checked)
-    if d.set == "blind":
-        stats, logp = None, np.full(T, np.nan)  # [T]
-    else:
-        stats = ctx["base_stats"](dump, min(SAMPLER_TOPK, w.V) if guarded else 1)
-        logp = stats.logp_target  # [T] f64
-
     reasons: list[str] = []
     guard = None
-    if guarded:
+    if d.set in GUARDED:
         present = sorted({names.ROLES[int(r)] for r in np.unique(role)})
         reasons += provenance_reasons(meta.provenance, present, w.model_sha256, meta.model)
         content = tokens[1:][role != names.ROLE_ID["template"]]  # [T'] the document's words, no chat markup
         guard = guard_document(
-            vocab.decode(content.tolist()), logp_target=logp, top_logp=stats.top_logp, role=role,
+            vocab.decode(content.tolist()), logp_target=stats.logp_target, top_logp=stats.top_logp, role=role,
             provenance=meta.provenance, vocab_size=w.V, ngram_n=th.salad_ngram,
             max_ngram_repeat=th.salad_max_ngram_repeat, max_dup_lines=th.salad_max_dup_lines,
             ce_proxy_frac=th.ce_proxy_frac, max_sampler_violation_frac=th.sampler_max_violation_frac,
@@ -333,36 +344,36 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
         if lacks:
             reasons.append(f"a {d.set} document must be a chat with turns, a <think> block and terminal "
                            f"positions; it has no {', no '.join(lacks)}")
+    return reasons, guard, chat
 
-    if stats is None:  # blind: structure only; its events are scored once, by the blind audit
-        d.events, d.collateral = [], []
-    else:
-        d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
-        d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
-    thr = th.non_event_p
+
+def _doc_report(d: _Doc, dump, tokens, role, logp, chat, guard, reasons, n_collateral: int, ctx) -> DocReport:
+    """The document's line of the sets report: CE over content targets (f64 mean), events and non-events,
+    in-context copies, coverage, guard figures."""
+    thr = ctx["thresholds"].non_event_p
+    T = dump.T
     n_ev = sum(1 for _, q in d.events if q >= thr)
     content_mask = role != names.ROLE_ID["template"]
     ce = None
-    if T and stats is not None:
+    if T and logp is not None:
         m = content_mask if content_mask.any() else np.ones(T, dtype=bool)
         ce = float(-logp[m].mean())  # f64 mean over content targets
-    finals = ctx["final_ids"]
     cov = Coverage(
-        docs=1, positions=T, final_word_targets=int(np.isin(tokens[1:], finals).sum()), collateral=len(collat),
-        special_targets=int(chat.special_target.sum()), turns=chat.n_turns, think_blocks=chat.n_think,
-        terminal=chat.n_terminal, openers=int(chat.opener.sum()),
+        docs=1, positions=T, final_word_targets=int(np.isin(tokens[1:], ctx["final_ids"]).sum()),
+        collateral=n_collateral, special_targets=int(chat.special_target.sum()), turns=chat.n_turns,
+        think_blocks=chat.n_think, terminal=chat.n_terminal, openers=int(chat.opener.sum()),
     )
-    d.report = DocReport(
-        set=d.set, path=str(d.path), sha256=d.sha, doc_id=meta.doc_id, T=T, verified=dump.verified, ce=ce,
+    sampler = None if guard is None else guard.sampler
+    return DocReport(
+        set=d.set, path=str(d.path), sha256=d.sha, doc_id=dump.meta.doc_id, T=T, verified=dump.verified, ce=ce,
         events=n_ev, non_events=len(d.events) - n_ev,
         copies=sum(1 for e, q in d.events if q >= thr and e.in_context_copy), coverage=cov,
         ngram_repeat=None if guard is None else guard.ngram_repeat,
         dup_lines=None if guard is None else guard.dup_lines,
-        sampler_checked=None if guard is None or guard.sampler is None else guard.sampler.checked,
-        sampler_violations=None if guard is None or guard.sampler is None else len(guard.sampler.violations),
+        sampler_checked=None if sampler is None else sampler.checked,
+        sampler_violations=None if sampler is None else len(sampler.violations),
         refused=bool(reasons), reasons=tuple(reasons), content_key=d.content_key, file_sha256=d.file_sha,
     )
-    return d
 
 
 # ----------------------------------------------------------------------------------------------------------
