@@ -74,6 +74,7 @@ class AuditArgs:
     penalty_bias: float = DEFAULT_BIAS
     plots: bool = True
     allow_unverified: bool = False  # dumps without engine logits: n/a for the zero-proxy bar, report "unverified"
+    allow_other_model: bool = False  # dumps of another model (refused before by the CLI): listed and stamped
 
 
 @dataclass(frozen=True)
@@ -869,6 +870,7 @@ class AuditContext:
     pts: list  # [PhraseTuples]
     spec: object  # l47.evals.penalty.PenaltySpec
     notes: list[str] = field(default_factory=list)
+    other_model: list[dict] = field(default_factory=list)  # {path, model} of dumps of another model (allowed)
     dev_rep: dict | None = None  # blind: the dev audit's report
     blind_sha: str | None = None
     sets_rep: object = None  # dev: the SetsReport (blind documents excluded)
@@ -944,6 +946,11 @@ def load_context(args: AuditArgs) -> AuditContext:
                        spec=make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name))
     if exp.policy != args.policy:
         ctx.notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
+    from l47.data.identity import other_model_notes
+
+    docs = [p for s, p in exp.documents() if ctx.mode == B.MODE_DEV and s != "blind"]
+    other_model_notes(docs + ([args.blind] if args.blind is not None else []), w.model_sha256, args.base,
+                      args.allow_other_model)  # dumps of another model refused here unless allowed
     if ctx.mode == B.MODE_BLIND:
         ctx.dev_rep, ctx.blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids,
                                                       w.model_sha256, exp.thresholds.overlap_window)
@@ -972,6 +979,8 @@ def score_documents(ctx: AuditContext) -> None:
     if ctx.mode == B.MODE_BLIND:
         d = read_dump(ctx.args.blind)
         check_dump_dims(ctx.w, d.meta, str(ctx.args.blind))
+        if d.meta.model != ctx.w.model_sha256 and not str(d.meta.model).startswith("hf:"):
+            ctx.other_model.append({"path": str(ctx.args.blind), "model": str(d.meta.model)})
         ctx.docs.append(score_document(sc, d, "blind"))
         ctx.doc_paths[d.sha256] = str(ctx.args.blind)
         return
@@ -993,6 +1002,7 @@ def score_documents(ctx: AuditContext) -> None:
         if d.meta.model not in (w.model_sha256,) and not str(d.meta.model).startswith("hf:"):
             ctx.notes.append(f"{dr.path}: dumped from model {str(d.meta.model)[:12]}…, audited under "
                              f"{w.model_sha256[:12]}…")
+            ctx.other_model.append({"path": dr.path, "model": str(d.meta.model)})
     for d in ctx.docs:
         if not d.verified:
             ctx.notes.append(f"{d.path}: unverified (no ref_logp in the dump: the zero-proxy check was not run)")
@@ -1000,6 +1010,14 @@ def score_documents(ctx: AuditContext) -> None:
 
 # ----------------------------------------------------------------------------------------------------------
 # the report and the driver
+
+
+def _identity_stamps(ctx: AuditContext) -> list[str]:
+    """Dumps of another model in this audit, and those the bundle's solve record says it was solved with."""
+    from l47.data.identity import other_model_stamp
+
+    out = [other_model_stamp(len(ctx.other_model))] if ctx.other_model else []
+    return out + [f"solve record: {s}" for s in (ctx.record.stamps if ctx.record is not None else [])]
 
 
 def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: list) -> AuditReport:
@@ -1022,10 +1040,11 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
                        "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in ctx.docs],
         "ledger": str(ctx.ledgers[0].path), "policy": args.policy, "device": args.device, "vocab": ctx.vocab.name,
         "numerics": ctx.w.numerics.record(),  # head precision used and its measured logit error (l47.tail.stream)
+        "allow_other_model": args.allow_other_model, "other_model_dumps": ctx.other_model,
     }
     report = clean({
         "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": ctx.mode, "passed": passed,
-        "exit_code": 0 if passed else 1, "stamps": B.stamps(ctx.th, sh.proxy), "inputs": inputs,
+        "exit_code": 0 if passed else 1, "stamps": B.stamps(ctx.th, sh.proxy) + _identity_stamps(ctx), "inputs": inputs,
         "thresholds": {**ctx.th.to_dict(), "penalty_bias": args.penalty_bias},
         "bars": [b.to_dict() for b in bar_list], **figures, "notes": ctx.notes,
     })

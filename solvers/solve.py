@@ -495,7 +495,7 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
                              base_sha256=base_sha, bundle_sha256=bundle_sha, target=plan.w.target,
                              config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
                              claims=claims, notes=list(warnings) + plan.dumps.other_model_notes,
-                             numerics=plan.w.numerics.record())
+                             numerics=plan.w.numerics.record(), stamps=_stamps(plan.dumps.other_model_notes))
     path = rec.record_path_for(plan.out)
     write_text_atomic(path, record.to_json())
     plan.ledger.append(_measured_on_bundle(sel), bundle_sha, "solve")
@@ -526,6 +526,12 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
     shipped = requantize(plan, solved.dW)
     claims = measure(plan, sel, prob, solved, shipped, feas.to_dict(), choice)
     return write_outputs(plan, sel, prob, shipped, claims)
+
+
+def _stamps(other_model_notes) -> list[str]:
+    from l47.data.identity import other_model_stamp
+
+    return [other_model_stamp(len(other_model_notes))] if other_model_notes else []
 
 
 def run_plan(args: SolveArgs, log: Callable[[str], None] | None = None):

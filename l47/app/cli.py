@@ -463,7 +463,8 @@ def audit(
                 allow_other_model, json_out)
     with json_to_stdout(json_out, console) as target:
         res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
-                                        tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified), FittedConsole(console))
+                                        tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
+                                        allow_other_model=allow_other_model), FittedConsole(console))
         if target is not None:
             import json as _json
 
@@ -491,9 +492,22 @@ def penalty(
     from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty
 
-    check_penalty(experiment, out, base, bundle, force, bias, form, allow_other_model, ledger)
+    notes = check_penalty(experiment, out, base, bundle, force, bias, form, allow_other_model, ledger)
     print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device, ledger=ledger)),
                   console)
+    _print_stamps(notes)
+
+
+def _print_stamps(other_model_notes) -> None:
+    """Dumps of another model let in by --allow-other-model: each named, then the stamp, last on the screen."""
+    from rich.markup import escape
+
+    from l47.data.identity import other_model_stamp
+
+    for n in other_model_notes:
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
+    if other_model_notes:
+        console.print(f"[bold yellow]stamp:[/] {escape(other_model_stamp(len(other_model_notes)))}", highlight=False)
 
 
 def main():  # pragma: no cover

@@ -274,7 +274,7 @@ def _overlay_nbytes(model: Path) -> int:
     return sum(int(i.nbytes or 0) for n, i in g.tensors.items() if n.endswith("ffn_down_shexp.weight"))
 
 
-def _models(exp, model, allow: bool) -> list[str]:
+def _models(exp, model, allow: bool, extra=()) -> list[str]:
     """Refuse dumps of another model (l47.data.identity) before any work; notes when allowed."""
     from l47.data.identity import other_model_notes
     from l47.model.gguf_io import open_gguf
@@ -286,7 +286,7 @@ def _models(exp, model, allow: bool) -> list[str]:
         sha = open_gguf(model).sha256()
     except L47Error:
         return []  # not a GGUF: the command reports it
-    return other_model_notes([p for _, p in exp.documents()], sha, model, allow)
+    return other_model_notes([p for _, p in exp.documents()] + [p for p in extra if p is not None], sha, model, allow)
 
 
 def check_score(model, dumps, bundle, tsv, ledger, force=False) -> None:
@@ -359,7 +359,7 @@ def check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record
     check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV)),
                    Output(_file_out(json_out), AUDIT_JSON, "--json"),
                    Output(ledger, LEDGER, "--ledger")], ins, force=force)
-    return _models(exp, base, allow_other_model)
+    return _models(exp, base, allow_other_model, extra=(blind,))  # engine dumps: the bundle's
 
 
 def check_penalty(experiment, out, base, bundle, force=False, bias=5.0, form="prefix-exact",

@@ -77,6 +77,8 @@ def render_sets_table(report: SetsReport) -> list:
     out.append(Text(f"thresholds: {th}", style="dim"))
     for wmsg in report.warnings:
         out.append(Text(f"warning: {wmsg}", style="yellow"))
+    for s in report.stamps:  # last, where the eye lands: e.g. dumps of another model let in
+        out.append(Text(f"stamp: {s}", style="bold yellow"))
     return out
 
 
@@ -104,7 +106,10 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     if notes:  # dumps of another model, allowed by --allow-other-model: the report says so
         from dataclasses import replace
 
-        report = replace(report, warnings=tuple(report.warnings) + tuple(notes))
+        from l47.data.identity import other_model_stamp
+
+        report = replace(report, warnings=tuple(report.warnings) + tuple(notes),
+                         stamps=tuple(report.stamps) + (other_model_stamp(len(notes)),))
     for r in render_sets_table(report):
         console.print(r)
     if json_out is not None:

@@ -79,6 +79,8 @@ def print_solve(res, console: Console) -> None:
             console.print(f"[yellow]warning:[/] {escape(str(wmsg))}", highlight=False)
     console.print(f"bundle {res.bundle} (sha256 {res.record.bundle_sha256[:16]}…), record {res.record_path}",
                   highlight=False)
+    for s in res.record.stamps:  # e.g. dumps of another model let in by --allow-other-model
+        console.print(f"[bold yellow]stamp:[/] {escape(str(s))}", highlight=False)
 
 
 def solve_and_print(args, console: Console):

@@ -30,6 +30,14 @@ def dump_models(paths) -> list[tuple[Path, str]]:
     return out
 
 
+OTHER_MODEL_STAMP = "other model"  # the stamp's first words (reports, records, summary lines)
+
+
+def other_model_stamp(n: int) -> str:
+    """The stamp a report carries when --allow-other-model let `n` dumps of another model in."""
+    return f"{OTHER_MODEL_STAMP}: {n} dump(s) made by another model, used with --allow-other-model"
+
+
 def other_model_notes(paths, model_sha256: str, model_path, allow: bool) -> list[str]:
     """Refuse (L47Error naming both identities) dumps whose meta.model is another GGUF's sha256; with `allow`,
     return one note per such dump for the report instead. Checkpoint ids ("hf:…") are compared by the zero-proxy

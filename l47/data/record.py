@@ -162,6 +162,7 @@ class SolveRecord:
     schema: int = RECORD_SCHEMA
     notes: list[str] = field(default_factory=list)
     numerics: dict = field(default_factory=dict)  # head precision used and its measured error (Numerics.record)
+    stamps: list[str] = field(default_factory=list)  # facts the reader must see first (other_model_stamp)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -185,7 +186,7 @@ def read_record(path: Path) -> SolveRecord:
             base_sha256=d["base_sha256"], bundle_sha256=d["bundle_sha256"], target=d["target"], config=d["config"],
             inputs=[InputFile(**x) for x in d["inputs"]], touched=[Touched(**x) for x in d["touched"]],
             claims=SolveClaims.from_dict(d["claims"]), schema=RECORD_SCHEMA, notes=list(d.get("notes", [])),
-            numerics=dict(d.get("numerics", {})),
+            numerics=dict(d.get("numerics", {})), stamps=list(d.get("stamps", [])),
         )
     except (KeyError, TypeError) as e:
         raise L47Error(path, "solve record", "every field of SolveRecord", f"{type(e).__name__}: {e}") from None

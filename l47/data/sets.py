@@ -144,6 +144,7 @@ class SetsReport:
     split: dict | None  # {seed, fractions, assignment: {path: split}, heldout_frac}
     warnings: tuple[str, ...]
     overlaps: tuple[Overlap, ...] = ()  # documents that are one document by content (see Overlap)
+    stamps: tuple[str, ...] = ()  # facts the reader must see first (l47.data.identity.other_model_stamp)
 
     # --- views
     def set_names(self) -> list[str]:
@@ -201,7 +202,7 @@ class SetsReport:
             **d, "phrases": tuple(d["phrases"]), "phrase_issues": tuple(d["phrase_issues"]), "docs": docs,
             "events": tuple(ev(x) for x in d["events"]), "non_events": tuple(ev(x) for x in d["non_events"]),
             "collateral": tuple(CollateralRecord(**x) for x in d["collateral"]), "warnings": tuple(d["warnings"]),
-            "overlaps": tuple(Overlap(**x) for x in d.get("overlaps", ())),
+            "overlaps": tuple(Overlap(**x) for x in d.get("overlaps", ())), "stamps": tuple(d.get("stamps", ())),
         })
 
 
