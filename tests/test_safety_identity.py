@@ -101,3 +101,18 @@ def test_stamped_in_sets_solve_and_audit(world, tmp_path):
     first = (tmp_path / "audit" / "report.md").read_text().splitlines()[0]
     assert first.startswith("# l47 audit (dev): ") and stamp in first, first
     assert "other model" in " ".join(r.output.split())  # the printed summary's title
+
+
+def test_score_and_penalty_print_the_stamp(world, tmp_path):
+    root = world["root"]
+    led = tmp_path / "ledger.jsonl"
+    r = _cli("score", root / "other_model.safetensors", "--model", world["base"], "--ledger", led)
+    assert r.exit_code == 2 and "--allow-other-model" in r.output  # refused without the flag
+    r = _cli("score", root / "other_model.safetensors", root / "bg.safetensors", "--model", world["base"],
+             "--ledger", led, "--allow-other-model")
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    assert f"stamp: {other_model_stamp(1)}" in flat and "other_model.safetensors" in flat
+    r = _cli("penalty", root / "other.toml", "--out", tmp_path / "p.json", "--ledger", led, "--allow-other-model")
+    assert r.exit_code == 0, r.output
+    assert f"stamp: {other_model_stamp(1)}" in " ".join(r.output.split())

@@ -202,6 +202,10 @@ def score(
         from rich.markup import escape
 
         console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
+    for s in res.stamps:
+        from rich.markup import escape
+
+        console.print(f"[bold yellow]stamp:[/] {escape(s)}", highlight=False)
     if res.tsv:
         console.print(f"per-position TSV: {res.tsv} ({res.rows} rows)")
 

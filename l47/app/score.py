@@ -51,6 +51,7 @@ class ScoreResult:
     tsv: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     ledger: str | None = None
+    stamps: tuple[str, ...] = ()  # e.g. dumps of another model scored (--allow-other-model)
 
 
 TSV_BASE = ("doc", "pos", "target", "logp_target", "argmax")
@@ -67,7 +68,7 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
     W_new, bsha = (None, None)
     if args.bundle is not None:
         W_new, bsha = edited_weight(w, args.bundle, args.device)
-    docs, notes = [], []
+    docs, notes, others = [], [], 0
     buf = io.StringIO()
     tsv = csv.writer(buf, delimiter="\t", lineterminator="\n")
     tsv.writerow(TSV_PAIRED if W_new is not None else TSV_BASE)
@@ -81,6 +82,7 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
                 raise L47Error(p, "meta.model", f"the scoring model {w.model_sha256[:16]}… (or --allow-other-model)",
                                f"{str(d.meta.model)[:16]}…")
             notes.append(f"{p}: dumped from model {d.meta.model[:12]}…, scored under {w.model_sha256[:12]}…")
+            others += 1
         dumps.append((p, d))
     # every document is in the ledger (by content) before its first score is computed
     ledger.append([d.sha256 for _, d in dumps], bsha or w.model_sha256, "score")
@@ -108,8 +110,10 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
             progress()
     if args.tsv is not None:
         write_text_atomic(args.tsv, buf.getvalue())
+    from l47.data.identity import other_model_stamp
+
     return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes),
-                       str(ledger.path))
+                       str(ledger.path), (other_model_stamp(others),) if others else ())
 
 
 def ppl(ce: float) -> float:
