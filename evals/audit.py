@@ -957,9 +957,34 @@ def load_context(args: AuditArgs) -> AuditContext:
     return ctx
 
 
-def score_documents(ctx: AuditContext) -> None:
+class SetTicker:
+    """Per-set progress of the scoring: `progress(set, done, total)` once per document when its paired pass is
+    done (each document counted once). Sets are the experiment's (the split pool as "pool"; the blind sign-off's
+    document as "blind")."""
+
+    def __init__(self, progress, documents):
+        self.progress = progress
+        self.set_of = {os.path.abspath(p): s for s, p in documents}  # path -> set
+        self.total: dict[str, int] = {}
+        for s in self.set_of.values():
+            self.total[s] = self.total.get(s, 0) + 1
+        self.done: dict[str, int] = {s: 0 for s in self.total}
+        self.seen: set[str] = set()
+
+    def __call__(self, path) -> None:
+        key = os.path.abspath(str(path))
+        if self.progress is None or key in self.seen:
+            return
+        self.seen.add(key)
+        s = self.set_of.get(key, "other")
+        self.done[s] = self.done.get(s, 0) + 1
+        self.progress(s, self.done[s], max(self.total.get(s, 0), self.done[s]))
+
+
+def score_documents(ctx: AuditContext, progress=None) -> None:
     """One paired (base, bundle) head pass per document. Dev mode: the sets report (events, collateral,
-    guards, split; blind documents untouched) takes its base statistics from the same passes."""
+    guards, split; blind documents untouched) takes its base statistics from the same passes.
+    progress(set, done, total): called as each document's pass is done (SetTicker)."""
     from l47.data.sets import build_sets
     from l47.dumps import read_dump
     from l47.model.weights import check_dump_dims
@@ -977,18 +1002,22 @@ def score_documents(ctx: AuditContext) -> None:
     else:
         ctx.ledgers[0].append(_content_hashes(p for _, p in exp_nb.documents()).values(), ctx.bsha, "audit")
     if ctx.mode == B.MODE_BLIND:
+        tick = SetTicker(progress, [("blind", ctx.args.blind)])
         d = read_dump(ctx.args.blind)
         check_dump_dims(ctx.w, d.meta, str(ctx.args.blind))
         if d.meta.model != ctx.w.model_sha256 and not str(d.meta.model).startswith("hf:"):
             ctx.other_model.append({"path": str(ctx.args.blind), "model": str(d.meta.model)})
         ctx.docs.append(score_document(sc, d, "blind"))
         ctx.doc_paths[d.sha256] = str(ctx.args.blind)
+        tick(ctx.args.blind)
         return
+    tick = SetTicker(progress, exp_nb.documents())
     passes: dict[str, tuple] = {}  # path -> (dump, PairedStats of max(sets' k, sc.topk) top-k columns)
 
     def base_stats(dump, k: int):
         ps = sc.pair(dump, max(k, sc.topk))
         passes[str(dump.path)] = (dump, ps)
+        tick(dump.path)
         return top_k_of(ps.base, k)
 
     ctx.sets_rep = build_sets(exp_nb, ctx.w, vocab=ctx.vocab, device=ctx.args.device, base_stats=base_stats)
@@ -999,6 +1028,7 @@ def score_documents(ctx: AuditContext) -> None:
         check_dump_dims(w, d.meta, dr.path)
         ctx.docs.append(score_document(sc, d, dr.set, dr.refused, dr.reasons, ps=ps))
         ctx.doc_paths[d.sha256] = dr.path
+        tick(dr.path)
         if d.meta.model not in (w.model_sha256,) and not str(d.meta.model).startswith("hf:"):
             ctx.notes.append(f"{dr.path}: dumped from model {str(d.meta.model)[:12]}…, audited under "
                              f"{w.model_sha256[:12]}…")
@@ -1057,12 +1087,13 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
     return AuditReport(passed, 0 if passed else 1, ctx.mode, tuple(bar_list), str(out), files, ctx.bsha, report)
 
 
-def run_audit(args: AuditArgs) -> AuditReport:
+def run_audit(args: AuditArgs, progress=None) -> AuditReport:
     """Audit a bundle against its base on the experiment's documents (or sign off on a blind document).
     Returns the report; `exit_code` is 0 only when every applicable bar passes. Bad input raises L47Error
-    before any report file is written. Prints nothing (l47.app.audit_view renders the summary)."""
+    before any report file is written. Prints nothing (l47.app.audit_view renders the summary and, through
+    `progress(set, done, total)`, the per-set progress of the scoring)."""
     ctx = load_context(args)
-    score_documents(ctx)
+    score_documents(ctx, progress)
     sh = shared_figures(ctx)
     ev, figures = (blind_evidence if ctx.mode == B.MODE_BLIND else dev_evidence)(ctx, sh)
     return write_report(ctx, sh, figures, B.evaluate(ev, ctx.mode))

@@ -40,10 +40,49 @@ def print_summary(res, console) -> None:
     console.print(f"report: {res.files.get('report.md')}  (json, tsv, plots in {res.out_dir})", highlight=False)
 
 
+class SetProgress:
+    """`progress(set, done, total)` for run_audit: on a terminal a transient bar per set; otherwise one log line
+    per set when its last document is scored, and meanwhile at most one line every `every_s` seconds."""
+
+    def __init__(self, console, every_s: float = 15.0, clock=None):
+        import time
+
+        self.console = getattr(console, "_c", console)  # a FittedConsole's own Console (rich's Live needs it)
+        self.every_s, self.clock = every_s, clock or time.monotonic
+        self.bar, self.tasks, self.last = None, {}, self.clock()
+
+    def __enter__(self) -> "SetProgress":
+        return self
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        if self.console.quiet:
+            return
+        if not self.console.is_terminal:
+            now = self.clock()
+            if done >= total or now - self.last >= self.every_s:
+                self.last = now
+                self.console.print(f"audit: set {escape(name)}: {done}/{total} document(s) scored", highlight=False)
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if self.bar is None:
+            self.bar = Progress(TextColumn("[bold]audit[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), transient=True, console=self.console)
+            self.bar.start()
+        if name not in self.tasks:
+            self.tasks[name] = self.bar.add_task(escape(name), total=total)
+        self.bar.update(self.tasks[name], completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def audit_and_print(args, console):
-    """run_audit, then its summary once."""
+    """run_audit with per-set progress, then its summary once."""
     from l47.evals.audit import run_audit
 
-    res = run_audit(args)
+    with SetProgress(console) as progress:
+        res = run_audit(args, progress=progress)
     print_summary(res, console)
     return res
