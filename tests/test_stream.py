@@ -259,5 +259,6 @@ def test_split_bf16_head_error_bound_and_check():
     from l47.tail.stream import decide_precision
 
     assert decide_precision("auto", 1e-5, 2.1e-5, 64)[0] == "f32"
-    assert decide_precision("auto", 1e-5, 1.9e-5, 64) == ("split-bf16", "")
-    assert decide_precision("split-bf16", 1e-5, 9e-5, 64)[0] == "split-bf16"
+    assert decide_precision("auto", 1e-5, 1.9e-5, 64, "split-bf16") == ("split-bf16", "")
+    assert decide_precision("auto", 1e-5, 1.9e-5, 64) == ("split-fp16", "")  # what "auto" tries on CUDA
+    assert decide_precision("split-bf16", 1e-5, 9e-5, 64, "split-bf16")[0] == "split-bf16"

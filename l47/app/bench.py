@@ -6,15 +6,12 @@ Figures (all measured in the same run, so ratios are meaningful):
     paired       paired_stats (base + edited, KL, Δlog p, same-top) over T positions, positions/s
     ratio        paired throughput / bare-mm throughput (same FLOPs: target ≥ 0.6)
     peak memory  above the resident dequantised head (CPU: VmHWM; CUDA: max_memory_allocated)
-    split-bf16   (CUDA only) the same paired scoring with the split-bf16 head GEMM (l47.tail.stream): positions/s,
-                 its ratio to the bare f32 mm, the bare split GEMM (three bf16 GEMMs, f32 accumulation and output),
-                 and the max |logit error| of both precisions against f64 on the per-run check's positions
+    CUDA         the head precisions and the fused reductions, all in the same run (l47/app/bench_fused.py)
 TF32 is disabled on CUDA: every f32 figure is exact f32.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -24,8 +21,7 @@ import torch
 
 from l47.fileio import write_text_atomic
 from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
-from l47.model.weights import Numerics, TailWeights
-from l47.tail.stream import _mm_f32, check_precision, split_bf16
+from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix
 from l47.solvers.wfld import WfldConfig, solve_wfld
 
@@ -123,7 +119,11 @@ def bench_forward(args: BenchArgs) -> dict:
     t_mm1 = _timed(lambda: torch.mm(mix_b, w.head.T), dev, args.reps)
     t_mm2 = _timed(lambda: torch.mm(both, w.head.T), dev, args.reps)
     flops1 = 2.0 * T * n * V
-    split = _bench_split(w, mix_b, mix_n, both, tgt, chunk, args, t_mm2) if dev.startswith("cuda") else {}
+    split = {}
+    if dev.startswith("cuda"):
+        from l47.app.bench_fused import bench_head_cuda
+
+        split = bench_head_cuda(w, mix_b, mix_n, tgt, chunk, args.reps, t_mm2)
     return split | dict(
         device=dev if not dev.startswith("cuda") else torch.cuda.get_device_name(),
         torch=torch.__version__, threads=torch.get_num_threads(), dims=dims, T=T, chunk=chunk,
@@ -133,28 +133,6 @@ def bench_forward(args: BenchArgs) -> dict:
         paired_s=t_paired, paired_pos_s=T / t_paired, paired_ratio_vs_mm=t_mm2 / t_paired,
         head_bytes=head_bytes, peak_extra_bytes_paired=peak_paired, peak_extra_bytes_single=peak_single,
     )
-
-
-def _bench_split(w, mix_b, mix_n, both, tgt, chunk, args, t_mm2) -> dict:
-    """Paired scoring with the split-bf16 head GEMM, the bare split GEMM and both precisions' errors vs f64."""
-    num = Numerics(precision="split-bf16")
-    check_precision(both, w.head, num, chunk)  # measures err_f32 / err_split on CHECK_ROWS positions
-    ws = dataclasses.replace(w, numerics=num)
-    T = mix_b.shape[0]
-    t_sp = _timed(lambda: paired_stats(mix_b, mix_n, ws, tgt, topk=5, chunk=chunk), args.device, args.reps)
-    xh, xl = split_bf16(both)
-    hh, hl = split_bf16(w.head)
-
-    def bare():
-        z = _mm_f32(xh, hh)
-        z += _mm_f32(xh, hl)
-        z += _mm_f32(xl, hh)
-
-    t_bare = _timed(bare, args.device, args.reps)
-    del xh, xl, hh, hl
-    return dict(split_paired_s=t_sp, split_paired_pos_s=T / t_sp, split_paired_ratio_vs_f32_mm=t_mm2 / t_sp,
-                split_bare_s=t_bare, split_bare_pos_s=T / t_bare, max_logit_err_f32=num.err_f32,
-                max_logit_err_split=num.err_split, check_rows=64)
 
 
 def run_bench(args: BenchArgs, console) -> dict:
@@ -173,13 +151,17 @@ def run_bench(args: BenchArgs, console) -> dict:
             f"  peak memory above the resident head ({r['head_bytes'] / 2**30:.2f} GiB): paired "
             f"{r['peak_extra_bytes_paired'] / 2**30:.3f} GiB, single {r['peak_extra_bytes_single'] / 2**30:.3f} GiB",
             highlight=False)
-        if "split_paired_s" in r:
-            console.print(
-                f"  split-bf16 paired     {r['split_paired_s']:.3f} s  {r['split_paired_pos_s']:.1f} pos/s  "
-                f"({r['split_paired_ratio_vs_f32_mm']:.2f}x bare f32 mm); bare split GEMM "
-                f"{r['split_bare_pos_s']:.1f} pos/s\n  max |logit error| vs f64: f32 {r['max_logit_err_f32']:.3g}, "
-                f"split-bf16 {r['max_logit_err_split']:.3g} ({r['max_logit_err_split'] / r['max_logit_err_f32']:.2f}x)",
-                highlight=False)
+        if "paired_split-fp16_s" in r:
+            e32 = r["max_logit_err_f32_check"]
+            for p in ("f32", "split-fp16", "split-bf16"):
+                err = e32 if p == "f32" else r[f"max_logit_err_{p}"]
+                console.print(
+                    f"  fused paired {p:<10} {r[f'paired_{p}_s']:.4f} s  {r[f'paired_{p}_pos_s']:.1f} pos/s  "
+                    f"({r[f'paired_{p}_ratio_vs_f32_mm']:.2f}x bare f32 mm)  max |logit error| vs f64 {err:.3g}  "
+                    f"vs dense f64 on 64 pairs {r[f'vs_f64_{p}']}", highlight=False)
+            console.print(f"  paired f32 unfused {r['paired_f32_unfused_s']:.4f} s; single f32 fused "
+                          f"{r['single_f32_pos_s']:.1f} pos/s; bare split-fp16 GEMM {r['bare_split_fp16_pos_s']:.1f} "
+                          f"pos/s; split-fp16 vs f32 {r['split_fp16_vs_f32']}", highlight=False)
     if args.what in ("wfld", "all"):
         out["wfld"] = bench_wfld(args, console)
     if args.what == "pipeline":

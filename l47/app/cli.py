@@ -20,7 +20,8 @@ from rich.table import Table
 
 from l47.errors import L47Error
 
-PRECISION_HELP = ("head GEMM: f32 | split-bf16 (default: split-bf16 on CUDA after a per-run check against f64, "
+PRECISION_HELP = ("head GEMM: f32 | split-fp16 | split-bf16 (default: split-fp16 on CUDA after a per-run check "
+                  "against f64, "
                   "falling back to f32 if its error exceeds 2x the f32 path's; f32 elsewhere)")
 
 

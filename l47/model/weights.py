@@ -30,26 +30,29 @@ _BF16 = int(gguf.GGMLQuantizationType.BF16)
 _Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
 
 
-PRECISIONS = ("f32", "split-bf16")  # head GEMM precisions (l47.tail.stream.head_logits)
+PRECISIONS = ("f32", "split-fp16", "split-bf16")  # head GEMM precisions (l47.tail.stream.head_logits)
+SPLITS = ("split-fp16", "split-bf16")
 
 
 @dataclass
 class Numerics:
     """How the head is evaluated and reduced in this run (the logic is l47.tail.stream). Mutable on purpose: the
-    first head pass resolves `precision` ("auto" → split-bf16 on CUDA after a check against f64, else f32) and
+    first head pass resolves `precision` ("auto" → split-fp16 on CUDA after a check against f64, else f32) and
     records the measured errors, which reports copy via `record()`."""
 
-    precision: str = "f32"  # requested: "f32", "split-bf16" or "auto"
+    precision: str = "f32"  # requested: "f32", "split-fp16", "split-bf16" or "auto"
     no_f64: bool = False  # no float64 on the compute device (MPS): the vocabulary sums run on the CPU in f64
     used: str | None = None  # the precision in use (set by the check)
     err_f32: float | None = None  # max |logit − f64 logit| on the check rows, f32 path
-    err_split: float | None = None  # same for split-bf16
+    err_split: float | None = None  # same for the split precision measured (`split`)
+    split: str | None = None  # which split precision the check measured
     note: str = ""
     _parts: dict = field(default_factory=dict, repr=False, compare=False)  # cached bf16 hi/lo of the head
 
     def record(self) -> dict:
         return {"precision": self.used or self.precision, "requested": self.precision, "no_f64": self.no_f64,
-                "max_logit_err_f32": self.err_f32, "max_logit_err_split_bf16": self.err_split, "note": self.note}
+                "max_logit_err_f32": self.err_f32, "split": self.split,
+                "max_logit_err_split": self.err_split, "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -135,11 +138,12 @@ _RUN_PRECISION = {"precision": "auto"}  # the process's head precision (the CLI'
 
 
 def set_head_precision(precision: str | None) -> None:
-    """Set the head precision every later `load_tail_weights` of this process uses: "f32", "split-bf16" or
-    None / "auto" (split-bf16 on CUDA after the per-run check against f64, f32 elsewhere). The CLI's --precision."""
+    """Set the head precision every later `load_tail_weights` of this process uses: "f32", "split-fp16",
+    "split-bf16" or None / "auto" (split-fp16 on CUDA after the per-run check against f64, f32 elsewhere). The
+    CLI's --precision."""
     p = precision or "auto"
     if p not in PRECISIONS + ("auto",):
-        raise L47Error("--precision", "precision", "f32 or split-bf16", repr(precision))
+        raise L47Error("--precision", "precision", "f32, split-fp16 or split-bf16", repr(precision))
     _RUN_PRECISION["precision"] = p
 
 

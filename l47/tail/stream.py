@@ -20,12 +20,19 @@ Tie-break (one rule everywhere): among equal logits the LOWER token id ranks fir
 
 Precision:
     head GEMM   "f32": plain f32 matmul (TF32 is the caller's switch; the bench turns it off).
+                "split-fp16" (CUDA): rows of both operands scaled by powers of two and split into fp16 hi + lo
+                (l47.tail.fused); z = (hi·hi + hi·lo + lo·hi) / scales on fp16 tensor cores with f32 accumulation
+                and output. The default on CUDA ("auto") after the per-run check.
                 "split-bf16" (CUDA): each operand split into bf16 hi + lo (lo = bf16(x − hi)); z = hi·hi + hi·lo + lo·hi
-                as bf16 tensor-core GEMMs with f32 accumulation and f32 output (off CUDA the same products are
-                formed in f32, where bf16 × bf16 is exact). `check_precision` measures both against f64.
+                as bf16 tensor-core GEMMs with f32 accumulation and f32 output.
+                Off CUDA the split products are formed in f32, where fp16 × fp16 and bf16 × bf16 are exact.
+                `check_precision` measures the split against f64 beside the f32 path.
     reductions  f64 sums across chunks (within a chunk: f64 for s and A, f32 row-dots for sz). Without float64 on the
                 device (MPS; `Numerics.no_f64`), the within-chunk partial sums are f32 on the device and every
                 running accumulator (m, s, sz, A, μ) lives on the CPU in f64 — [R]-sized transfers per chunk.
+                On CUDA with Triton (l47.tail.fused; not for μ): f32 sums within vocabulary tiles of 128–256
+                logits, f64 across tiles; the f32 path's logits are read once by one kernel per chunk, the
+                split-fp16 path reduces in the GEMM's epilogue and never writes logits.
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ from dataclasses import dataclass
 
 import torch
 
-from l47.model.weights import PRECISIONS, Numerics
+from l47.model.weights import PRECISIONS, SPLITS, Numerics
+from l47.tail import fused
 
 DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries stay small
 CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check
-SPLIT_MAX_RATIO = 2.0  # split-bf16 is kept only if its max |logit error| ≤ 2× the f32 path's on the check rows
+SPLIT_MAX_RATIO = 2.0  # a split precision is kept only if its max |logit error| ≤ 2× the f32 path's on the check rows
+AUTO_SPLIT = "split-fp16"  # what "auto" tries on CUDA
+FUSED = True  # use l47.tail.fused where it can run (CUDA + Triton); the bench switches it off for comparisons
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -59,18 +69,24 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().T  # bf16 × bf16 products are exact in f32
 
 
-def _head_parts(head: torch.Tensor, num: Numerics):
+def _head_parts(head: torch.Tensor, num: Numerics, split: str = "split-bf16"):
+    """The head's split parts for `split` (bf16: (hi, lo); fp16: (hi, lo, inv scales)), cached on `num`."""
     key = (head.data_ptr(), tuple(head.shape), head._version)
-    if num._parts.get("key") != key:
-        num._parts = {"key": key, "parts": split_bf16(head)}
-    return num._parts["parts"]
+    got = num._parts.get(split)
+    if got is None or got[0] != key:
+        got = num._parts[split] = (key, fused.split_fp16(head) if split == "split-fp16" else split_bf16(head))
+    return got[1]
 
 
 def head_logits(x: torch.Tensor, head: torch.Tensor, lo: int, hi: int, num: Numerics | None = None,
                 x_parts=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of vocabulary rows lo..hi-1: x [R, n] · head[lo:hi]ᵀ -> [R, C] f32, in the run's precision
     (written into `out` [R, C] when given)."""
-    if num is None or (num.used or num.precision) != "split-bf16":
+    prec = "f32" if num is None else (num.used or num.precision)
+    if prec == "split-fp16":
+        return fused.split_fp16_logits(x_parts if x_parts is not None else fused.split_fp16(x),
+                                       _head_parts(head, num, prec), lo, hi)
+    if prec != "split-bf16":
         return torch.mm(x, head[lo:hi].T, out=out)  # [R, C]
     hh, hl = _head_parts(head, num)
     xh, xl = x_parts if x_parts is not None else split_bf16(x)
@@ -80,45 +96,62 @@ def head_logits(x: torch.Tensor, head: torch.Tensor, lo: int, hi: int, num: Nume
     return z
 
 
+def split_parts(x: torch.Tensor, precision: str | None):
+    """The row operand's parts for head_logits in `precision` (None for f32)."""
+    if precision == "split-fp16":
+        return fused.split_fp16(x)
+    if precision == "split-bf16":
+        return split_bf16(x)
+    return None
+
+
 @torch.no_grad()
 def check_precision(mix: torch.Tensor, head: torch.Tensor, num: Numerics, chunk: int = DEFAULT_CHUNK) -> None:
-    """Resolve `num.precision` for this run. "auto": split-bf16 on CUDA if its max |logit error| against f64 on up
+    """Resolve `num.precision` for this run. "auto": AUTO_SPLIT on CUDA if its max |logit error| against f64 on up
     to CHECK_ROWS rows of `mix` is ≤ SPLIT_MAX_RATIO × the f32 path's, else f32 (and `num.note` says so); f32
-    elsewhere. An explicit "split-bf16" is measured and recorded too (never silently replaced)."""
+    elsewhere. An explicit split precision is measured and recorded too (never silently replaced). The split's
+    logits are those of the kernel the run uses (the fused kernel where it runs)."""
     if num.used is not None:
         return
     want = num.precision
     if want not in PRECISIONS + ("auto",):
         from l47.errors import L47Error
 
-        raise L47Error("--precision", "precision", "f32, split-bf16 or auto", repr(want))
+        raise L47Error("--precision", "precision", "f32, split-fp16, split-bf16 or auto", repr(want))
     if want == "f32" or (want == "auto" and not mix.is_cuda):
         num.used = "f32"
         return
+    split = want if want in SPLITS else AUTO_SPLIT
     R = mix.shape[0]
     rows = torch.linspace(0, R - 1, min(R, CHECK_ROWS), device=mix.device).round().long().unique()
     x = mix[rows]  # [r, n]
-    xp = split_bf16(x)
-    split_num = Numerics(precision="split-bf16", used="split-bf16", _parts=num._parts)
+    xp = split_parts(x, split)
+    split_num = Numerics(precision=split, used=split, _parts=num._parts)
+    zfull = None
+    if split == "split-fp16" and _fused_ok(x, head, split):
+        zfull = torch.empty(x.shape[0], head.shape[0], dtype=torch.float32, device=x.device)  # [r, V]: r ≤ 64
+        fused.split_fp16_partials(xp, _head_parts(head, split_num, split), 0, 1, z_out=zfull)
     e32 = esp = 0.0
     for lo in range(0, head.shape[0], chunk):
         hi = min(head.shape[0], lo + chunk)
         ref = _f64_logits(x, head[lo:hi], num.no_f64)  # [r, C] f64 (CPU when the device has no f64)
         e32 = max(e32, float((head_logits(x, head, lo, hi).to(ref.device, ref.dtype) - ref).abs().max()))
-        zs = head_logits(x, head, lo, hi, split_num, xp)
+        zs = zfull[:, lo:hi] if zfull is not None else head_logits(x, head, lo, hi, split_num, xp)
         esp = max(esp, float((zs.to(ref.device, ref.dtype) - ref).abs().max()))
     num._parts = split_num._parts
-    num.err_f32, num.err_split = e32, esp
-    num.used, num.note = decide_precision(want, e32, esp, len(rows))
+    num.err_f32, num.err_split, num.split = e32, esp, split
+    num.used, num.note = decide_precision(want, e32, esp, len(rows), split)
 
 
-def decide_precision(want: str, err_f32: float, err_split: float, rows: int) -> tuple[str, str]:
-    """The per-run rule: "auto" keeps split-bf16 only if its max |logit error| ≤ SPLIT_MAX_RATIO × the f32 path's
-    (both against f64 on the same `rows` positions); an explicit request is honoured (its error is recorded)."""
+def decide_precision(want: str, err_f32: float, err_split: float, rows: int,
+                     split: str = AUTO_SPLIT) -> tuple[str, str]:
+    """The per-run rule: "auto" keeps the split precision only if its max |logit error| ≤ SPLIT_MAX_RATIO × the
+    f32 path's (both against f64 on the same `rows` positions); an explicit request is honoured (its error is
+    recorded)."""
     if want == "auto" and err_split > SPLIT_MAX_RATIO * err_f32:
-        return "f32", (f"split-bf16 max |logit error| {err_split:.3g} > {SPLIT_MAX_RATIO:g}x the f32 path's "
+        return "f32", (f"{split} max |logit error| {err_split:.3g} > {SPLIT_MAX_RATIO:g}x the f32 path's "
                        f"{err_f32:.3g} on {rows} positions: fell back to f32")
-    return "split-bf16", ""
+    return split, ""
 
 
 def _f64_logits(x: torch.Tensor, rows: torch.Tensor, no_f64: bool) -> torch.Tensor:
@@ -252,7 +285,9 @@ def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = No
     num = num or Numerics()
     with torch.no_grad():
         check_precision(mix, head, num, chunk)
-        x_parts = split_bf16(mix) if num.used == "split-bf16" else None
+        if not mu and not num.no_f64 and _fused_ok(mix, head, num.used):
+            return _stream_fused(mix, head, num, chunk, topk, entropy, pairs)
+        x_parts = split_parts(mix, num.used)
         acc = VocabAccumulator(mix.shape[0], mix.device, topk=topk, entropy=entropy, pairs=pairs,
                                mu_dim=head.shape[1] if mu else 0, no_f64=num.no_f64, dtype=mix.dtype)
         V = head.shape[0]
@@ -262,6 +297,58 @@ def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = No
             out = zbuf[: mix.shape[0] * (hi - lo)].view(mix.shape[0], hi - lo)  # reused [R, C]
             acc.update(head_logits(mix, head, lo, hi, num, x_parts, out), lo, head[lo:hi] if mu else None)
         return acc.result()
+
+
+def _fused_ok(mix: torch.Tensor, head: torch.Tensor, precision: str | None) -> bool:
+    if not (FUSED and mix.dtype == torch.float32 and fused.available(mix)):
+        return False
+    return precision != "split-fp16" or head.shape[1] % fused.SPLIT_CFG["BK"] == 0
+
+
+def _stream_fused(mix, head, num, chunk, topk, entropy, pairs) -> Streamed:
+    """stream_head on CUDA through l47.tail.fused (no μ): rows in blocks of ≤ fused.MAX_ROWS (pairs kept
+    together), tile partials folded in f64."""
+    R = mix.shape[0]
+    if R > fused.MAX_ROWS:
+        step = fused.MAX_ROWS // 2 if pairs else fused.MAX_ROWS
+        n_rows = pairs if pairs else R
+        parts = []
+        for i in range(0, n_rows, step):
+            j = min(n_rows, i + step)
+            sub = torch.cat([mix[i:j], mix[pairs + i:pairs + j]]) if pairs else mix[i:j]
+            parts.append(_stream_fused(sub, head, num, chunk, topk, entropy, (j - i) if pairs else 0))
+        return _cat_streamed(parts, pairs)
+    if num.used == "split-fp16":
+        p = fused.split_fp16_partials(fused.split_fp16(mix), _head_parts(head, num, "split-fp16"), pairs, topk)
+        lse, tv, ti, ent, kl = fused.combine(*p, topk, pairs, entropy)
+    else:
+        V = head.shape[0]
+        chunk = -(-chunk // fused.REDUCE_BN) * fused.REDUCE_BN  # a whole number of tiles
+        acc = fused.ReducePartials(R, pairs, V, topk, mix.device)
+        x_parts = split_parts(mix, num.used)
+        zbuf = torch.empty(R * min(chunk, V), dtype=mix.dtype, device=mix.device)
+        for lo in range(0, V, chunk):
+            hi = min(V, lo + chunk)
+            acc.add(head_logits(mix, head, lo, hi, num, x_parts, zbuf[: R * (hi - lo)].view(R, hi - lo)), lo)
+        lse, tv, ti, ent, kl = acc.result(entropy)
+    if not topk:
+        tv = torch.empty(R, 0, dtype=mix.dtype, device=mix.device)
+        ti = torch.empty(R, 0, dtype=torch.long, device=mix.device)
+    return Streamed(lse=lse, top_v=tv, top_i=ti, entropy=ent, kl=kl, mu=None)
+
+
+def _cat_streamed(parts: list[Streamed], pairs: int) -> Streamed:
+    """Row blocks of one pass back in row order (pairs: every block is [base block; edited block])."""
+    def cat(name):
+        xs = [getattr(p, name) for p in parts]
+        if xs[0] is None:
+            return None
+        if not pairs or name == "kl":
+            return torch.cat(xs)
+        h = [x.shape[0] // 2 for x in xs]
+        return torch.cat([x[:k] for x, k in zip(xs, h)] + [x[k:] for x, k in zip(xs, h)])
+    return Streamed(lse=cat("lse"), top_v=cat("top_v"), top_i=cat("top_i"), entropy=cat("entropy"), kl=cat("kl"),
+                    mu=None)
 
 
 # ----------------------------------------------------------------------------------------------------------

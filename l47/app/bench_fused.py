@@ -1,0 +1,201 @@
+"""`l47 bench --device cuda`: the head precisions and the fused reductions (l47.tail.fused), all in one run.
+
+Figures (T positions, paired = base + edited rows [2T, n] against the head [V, n]):
+    paired_f32_unfused   the streaming accumulator (f32 GEMM per chunk + torch reductions), positions/s
+    paired_f32           f32 GEMM per chunk (cuBLAS) + one Triton reduction kernel per chunk
+    single_f32           head_stats the same way
+    paired_<split>       split-fp16 (GEMM + reductions in one Triton kernel, logits never stored) and split-bf16
+                         (three cuBLAS bf16 GEMMs + the reduction kernel)
+    bare_split_fp16      three cuBLAS fp16 GEMMs of [2T, n] × [n, V] (f32 output), the split's GEMM alone
+    errors               max |logit − f64| of each precision on the per-run check's rows (the same kernel the run
+                         uses); lse / KL / entropy / top-5 of 64 pairs against dense f64 logits; split vs f32 over
+                         all T pairs (max |ΔKL|, max |Δ log p(target)|, same top-5 ids)
+TF32 off. Ratios are against the bare f32 GEMM of the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from l47.model.weights import Numerics
+from l47.tail import fused, stream
+from l47.tail.forward import head_stats, paired_stats
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, reps):
+    fn()  # warm-up: compiles the kernels, runs the precision check
+    best = float("inf")
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _dense_f64(both: torch.Tensor, head: torch.Tensor, P: int, k: int = 5) -> dict:
+    """lse, entropy, KL, top-k of rows [base P; edited P] from dense f64 logits [2P, V] (P small)."""
+    z = both.double() @ head.double().T
+    ls = torch.log_softmax(z, -1)
+    return dict(lse=torch.logsumexp(z, -1), ent=-(ls.exp() * ls).sum(-1),
+                kl=(ls[:P].exp() * (ls[:P] - ls[P:])).sum(-1),
+                top=torch.sort(z, dim=1, descending=True, stable=True).indices[:, :k])
+
+
+def _vs_dense(st, ref, P) -> dict:
+    return dict(lse=float((st.lse - ref["lse"]).abs().max()), entropy=float((st.entropy - ref["ent"]).abs().max()),
+                kl=float((st.kl - ref["kl"]).abs().max()), kl_mean=float(ref["kl"].mean()),
+                top5_equal=bool(torch.equal(st.top_i, ref["top"])))
+
+
+def bench_head_cuda(w, mix_b, mix_n, tgt, chunk: int, reps: int, t_mm2: float) -> dict:
+    T = mix_b.shape[0]
+    out = {}
+    both = torch.cat([mix_b, mix_n])
+
+    def paired(prec):
+        ws = dataclasses.replace(w, numerics=Numerics(precision=prec))
+        return ws, (lambda: paired_stats(mix_b, mix_n, ws, tgt, topk=5, chunk=chunk))
+
+    stream.FUSED = False
+    _, fn = paired("f32")
+    out["paired_f32_unfused_s"] = _timed(fn, reps)
+    stream.FUSED = True
+    res = {}
+    for prec in ("f32", "split-fp16", "split-bf16"):
+        ws, fn = paired(prec)
+        out[f"paired_{prec}_s"] = t = _timed(fn, reps)
+        out[f"paired_{prec}_pos_s"] = T / t
+        out[f"paired_{prec}_ratio_vs_f32_mm"] = t_mm2 / t
+        out[f"max_logit_err_{prec}"] = ws.numerics.err_split if prec != "f32" else None
+        out["max_logit_err_f32_check"] = ws.numerics.err_f32 or out.get("max_logit_err_f32_check")
+        res[prec] = fn()
+    ws = dataclasses.replace(w, numerics=Numerics(precision="f32"))
+    out["single_f32_s"] = t = _timed(lambda: head_stats(mix_b, ws, tgt, topk=5, chunk=chunk), reps)
+    out["single_f32_pos_s"] = T / t
+    # accuracy: 64 pairs against dense f64; split vs f32 over all pairs
+    P = 64
+    sub = torch.cat([mix_b[:P], mix_n[:P]])
+    ref = _dense_f64(sub, w.head, P)
+    for prec in ("f32", "split-fp16", "split-bf16"):
+        num = Numerics(precision=prec)
+        st = stream.stream_head(sub, w.head, num, chunk=chunk, topk=5, entropy=True, pairs=P)
+        out[f"vs_f64_{prec}"] = _vs_dense(st, ref, P)
+    a, b = res["f32"], res["split-fp16"]
+    out["split_fp16_vs_f32"] = dict(
+        max_dkl=float(np.abs(a.kld - b.kld).max()), mean_kl=float(a.kld.mean()),
+        max_dlogp=float(np.abs(a.base.logp_target - b.base.logp_target).max()),
+        same_top5=float((a.base.top_ids == b.base.top_ids).all(1).mean()))
+    # the split's GEMM alone (three cuBLAS fp16 GEMMs, f32 out)
+    xh, xl, one_x = fused.split_fp16(both)
+    hh, hl, one_h = fused.split_fp16(w.head)
+
+    def bare():
+        z = fused.split_fp16_logits((xh, xl, one_x), (hh, hl, one_h), 0, hh.shape[0])  # incl. the rescale
+        del z
+
+    out["bare_split_fp16_s"] = t = _timed(bare, reps)
+    out["bare_split_fp16_pos_s"] = T / t
+    out["split_cfg"] = dict(fused.SPLIT_CFG)
+    out["reduce_tile"] = [fused.REDUCE_BM, fused.REDUCE_BN]
+    return out
+
+
+def sweep_split(w, mix_b, mix_n, configs: list[dict], reps: int = 3) -> list[dict]:
+    """Time the split-fp16 kernel (paired partials over all of V) for each config; errors are recorded per row."""
+    both = torch.cat([mix_b, mix_n])
+    P = mix_b.shape[0]
+    xp, hp = fused.split_fp16(both), fused.split_fp16(w.head)
+    fused.available(both)
+    rows = []
+    for cfg in configs:
+        try:
+            t = _timed(lambda: fused.split_fp16_partials(xp, hp, P, 5, cfg=cfg), reps)
+            rows.append(dict(cfg, s=t, pos_s=P / t))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile (registers, shared memory)
+            rows.append(dict(cfg, error=repr(e)[:200]))
+    return rows
+
+
+SWEEP = [dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=True),
+         dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=4, PROMOTE=True),
+         dict(BM=128, BN=128, BK=32, GROUP=4, num_warps=8, num_stages=3, PROMOTE=True),
+         dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=False)]
+# the first device run's wider sweep (docs/BENCHMARKS.md): BM 32–128, BN 64–256, BK 32/64, 4/8 warps, 2–4 stages;
+# BN 256 and BM 128 × BK 64 × 3 stages do not fit the shared memory or run 3–4× slower
+
+
+def sweep_errors(w, mix, configs, rows: int = 64) -> list[float]:
+    """Max |logit − f64| of the split kernel per config on `rows` rows (the check's measure)."""
+    x = mix[:rows]
+    ref = x.double() @ w.head.double().T  # [rows, V] f64
+    xp, hp = fused.split_fp16(x), fused.split_fp16(w.head)
+    errs = []
+    for cfg in configs:
+        z = torch.empty(rows, w.head.shape[0], device=x.device)
+        try:
+            fused.split_fp16_partials(xp, hp, 0, 5, z_out=z, cfg=cfg)
+            errs.append(float((z.double() - ref).abs().max()))
+        except Exception:  # noqa: BLE001
+            errs.append(float("nan"))
+    e32 = 0.0  # the f32 GEMM's, last: per vocabulary chunk as the per-run check computes it
+    for lo in range(0, w.head.shape[0], 16384):
+        e32 = max(e32, float(((x @ w.head[lo:lo + 16384].T).double() - ref[:, lo:lo + 16384]).abs().max()))
+    errs.append(e32)
+    return errs
+
+
+def main(argv=None) -> None:
+    """python -m l47.app.bench_fused [-T 4096] [--json FILE] [--sweep]: the kernel sweep (split-fp16 configs,
+    time and error), the best config kept, then `l47 bench --device cuda --what forward` in the same process."""
+    import argparse
+    import json
+
+    from rich.console import Console
+
+    from l47.app.bench import REAL, BenchArgs, run_bench, synthetic_weights
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-T", type=int, default=4096)
+    ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = {}
+    if a.sweep:
+        w = synthetic_weights(REAL, "cuda")
+        g = torch.Generator(device="cpu").manual_seed(1)
+        mix_b = torch.randn(a.T, REAL["n"], generator=g).cuda()
+        mix_n = mix_b + 0.01 * torch.randn(a.T, REAL["n"], generator=g).cuda()
+        rows = sweep_split(w, mix_b, mix_n, SWEEP)
+        errs = sweep_errors(w, mix_b, SWEEP)
+        for r, e in zip(rows, errs):
+            r["max_logit_err"] = e
+        out["sweep"] = dict(rows=rows, err_f32=errs[-1])
+        for r in rows:
+            print(r, flush=True)
+        ok = [r for r in rows if "s" in r and r["max_logit_err"] <= 2 * errs[-1]] or [r for r in rows if "s" in r]
+        best = min(ok, key=lambda r: r["s"])
+        fused.SPLIT_CFG.update({k: best[k] for k in fused.SPLIT_CFG})
+        print("best", fused.SPLIT_CFG, "f32 err", errs[-1], flush=True)
+        del w, mix_b, mix_n
+        torch.cuda.empty_cache()
+    out.update(run_bench(BenchArgs(T=a.T, device="cuda", reps=a.reps, what="forward"), Console(width=200)))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
