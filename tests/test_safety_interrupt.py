@@ -134,3 +134,90 @@ def fake_bin_factory(monkeypatch):
         return p
 
     return make
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `l47 solve` and `l47 audit`, interrupted by SIGTERM mid-run and rerun: the bytes of an uninterrupted run
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_tokenizer_kv):
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from test_malformed import _toml, make_world
+    finally:
+        sys.path.pop(0)
+    w = make_world(tmp_path_factory.mktemp("int_world"), tmp_path_factory.mktemp("int_build"), tiny_tokenizer_kv)
+    exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
+                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
+                split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')
+    (w["root"] / "det.toml").write_text(exp)
+    return w
+
+
+def _cli_subprocess(args, tmp_path: Path, wait_for: str, sig=signal.SIGTERM):
+    """Run `l47 ARGS`; when a stdout line contains `wait_for`, stop the process (SIGSTOP, so it cannot finish
+    meanwhile), queue `sig`, resume it. Returns (returncode, stderr)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "L47_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    p = subprocess.Popen([sys.executable, "-m", "l47.app.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if wait_for in line:
+            p.send_signal(signal.SIGSTOP)
+            p.send_signal(sig)
+            p.send_signal(signal.SIGCONT)
+            break
+    else:
+        raise AssertionError(f"{wait_for!r} never printed: {''.join(seen)}{p.stderr.read()}")
+    _, err = p.communicate(timeout=300)
+    return p.returncode, err
+
+
+def _debris(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.name.endswith((".tmp", ".staging", ".pending"))
+                  or ".l47-audit" in p.name)
+
+
+def test_interrupted_solve_and_audit_rerun_same_bytes(world, tmp_path):
+    from typer.testing import CliRunner
+
+    from l47.app.cli import app
+
+    root, exp = world["root"], world["root"] / "det.toml"
+
+    def solve(out: Path):
+        return ["solve", exp, "--out", out / "bundle.gguf", "--ledger", out / "ledger.jsonl"]
+
+    def audit(out: Path):
+        return ["audit", out / "bundle.gguf", "--base", world["base"], "--experiment", exp, "--out", out / "audit",
+                "--no-plots", "--ledger", out / "ledger.jsonl"]
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir(), run.mkdir()
+    assert CliRunner().invoke(app, [str(a) for a in solve(ref)]).exit_code == 0
+    r = CliRunner().invoke(app, [str(a) for a in audit(ref)])
+    assert r.exit_code in (0, 1), r.output
+
+    code, err = _cli_subprocess(solve(run), tmp_path, "solve:")  # the solve's first line: the work has begun
+    assert code == 143 and "interrupted" in err and "Traceback" not in err, err
+    assert not (run / "bundle.gguf").exists() and not (run / "bundle.gguf.solve.json").exists()
+    assert _debris(run) == [] and sorted(p.name for p in run.iterdir()) in ([], ["ledger.jsonl"])
+    r = CliRunner().invoke(app, [str(a) for a in solve(run)])
+    assert r.exit_code == 0, r.output
+    assert (run / "bundle.gguf").read_bytes() == (ref / "bundle.gguf").read_bytes()
+
+    code, err = _cli_subprocess(audit(run), tmp_path, "audit: set")  # the first set scored: mid-audit
+    assert code == 143 and "interrupted" in err and "Traceback" not in err, err
+    assert _debris(run) == [] and not (run / "audit" / "report.json").exists()
+    r = CliRunner().invoke(app, [str(a) for a in audit(run)])
+    assert r.exit_code in (0, 1), r.output
+    ja, jb = ((x / "audit" / "report.json").read_text().replace(str(x), "<OUT>") for x in (ref, run))
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from test_determinism import _no_time
+    finally:
+        sys.path.pop(0)
+    assert _no_time(json.loads(ja)) == _no_time(json.loads(jb))
+    assert (ref / "audit" / "positions.tsv").read_bytes() == (run / "audit" / "positions.tsv").read_bytes()
