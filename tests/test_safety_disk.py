@@ -94,3 +94,43 @@ def test_dump_refused_when_the_disk_is_short(monkeypatch, tmp_path, tiny_gguf):
 
     r, err, out = _run_dump_cli(monkeypatch, tmp_path, tiny_gguf, free=est + (1 << 20))
     assert r.exit_code == 2 and "model load" in err  # room enough: the check passed and the load was next
+
+
+def test_export_estimate_and_refusal(tmp_path, monkeypatch):
+    """`l47 export`: the estimate from the checkpoint's safetensors headers equals the exported file's tensor
+    bytes (+ alignment and metadata allowance), and a disk one byte short refuses before the checkpoint loads."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from tiny_ckpt import save_checkpoint
+    finally:
+        sys.path.pop(0)
+    from l47.app import export as E
+    from l47.engine.gguf_export import read_hf_config
+    from l47.model.gguf_io import open_gguf
+
+    ck = save_checkpoint(tmp_path / "ckpt")
+    args = E.ExportArgs(ck, tmp_path / "m.gguf", None, None, None, None, "cpu")
+    est = E.export_nbytes(args, read_hf_config(ck))
+    res = E.run_export(args)
+    assert res.ok, res.failure
+    g = open_gguf(tmp_path / "m.gguf")
+    data = sum(int(i.nbytes) for i in g.tensors.values())
+    size = (tmp_path / "m.gguf").stat().st_size
+    meta = (1 << 20) + (ck / "tokenizer.json").stat().st_size + (ck / "config.json").stat().st_size
+    assert size <= est and data <= est - meta <= data + 32 * len(g.tensors), (est, data, size)  # + alignment only
+
+    import l47.engine.gguf_export as GE
+
+    def no_load(*a, **kw):
+        raise AssertionError("the checkpoint was loaded")
+
+    monkeypatch.setattr(GE, "load_hf", no_load)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(1 << 40, (1 << 40) - (est - 1), est - 1))
+    out = tmp_path / "m2.gguf"
+    r = CliRunner().invoke(app, ["export", str(ck), str(out)])
+    errs = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errs) == 1 and "Traceback" not in r.output, r.output
+    assert str(out) in errs[0] and "the exported GGUF" in errs[0] and "free in" in errs[0], errs[0]
+    assert not out.exists() and not list(tmp_path.glob(".m2.gguf*"))

@@ -129,6 +129,44 @@ def validate_inputs(args: ExportArgs):
     return cfg, kv, vocab
 
 
+def export_nbytes(args: ExportArgs, cfg) -> int | None:
+    """Bytes of the GGUF `run_export` writes, from the checkpoint's safetensors headers (names and shapes; no
+    tensor read): each tensor at the type it is exported as (the seed layout, F32 for every tensor the name table
+    does not map one to one, e.g. per-expert weights fused on load), plus the metadata (at most tokenizer.json's
+    and config.json's sizes + 1 MiB). None when the weights are not safetensors files."""
+    import math
+
+    import gguf
+    from safetensors import safe_open
+
+    from l47.engine.gguf_export import _type_id, seed_type
+
+    hf = Path(args.hf_dir)
+    files = sorted(hf.glob("*.safetensors"))
+    if not files:
+        return None
+    table = names.hf_to_gguf_map(int(cfg.num_hidden_layers))
+    shapes: dict[str, tuple[int, ...]] = {}
+    unmapped = 0  # elements of tensors written in another form (fused), at F32
+    for f in files:
+        with safe_open(f, "np") as st:  # the header only
+            for k in st.keys():
+                shp = tuple(st.get_slice(k).get_shape())
+                g = table.get(k)
+                if g is None:
+                    unmapped += math.prod(shp)
+                else:
+                    shapes.setdefault(g, shp)
+    over = _type_overrides({g: 0 for g in shapes}, args)
+    total = 4 * unmapped
+    for g, shp in shapes.items():
+        t = _type_id(over[g], "l47 export", g) if g in over else seed_type(g, shp)
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)]
+        total += -(-math.prod(shp) // block) * size + 32  # + alignment
+    meta = sum(p.stat().st_size for p in (hf / "tokenizer.json", hf / "config.json") if p.is_file())
+    return total + meta + (1 << 20)
+
+
 def _logp_next(model, ids: list[int]) -> np.ndarray:
     """log p(tokens[t+1] | tokens[:t+1]) [T] f64 from the model's f32 logits."""
     import torch
@@ -179,6 +217,12 @@ def run_export(args: ExportArgs, log: Callable[[str], None] | None = None) -> Ex
         f"pre-tokenizer {kv[names.K_TOK_PRE]}, specials "
         + ", ".join(f"{s} {i}" for s, i in vocab.special_ids.items()))
 
+    nbytes = export_nbytes(args, cfg)
+    if nbytes is not None:  # room for the file on its disk, before the checkpoint is loaded
+        from l47.app.paths import GGUF, Output, check_outputs
+
+        check_outputs([Output(out, GGUF, "OUT", nbytes=nbytes, nbytes_what="the exported GGUF (checkpoint "
+                              "tensors at the export types + metadata)")], [(args.hf_dir, "checkpoint")])
     model = load_hf(args.hf_dir, device=args.device)
     types = export_types(model, _type_overrides(export_types(model), args))
     partial = out.with_name(f".{out.name}.partial")
