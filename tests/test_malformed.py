@@ -273,6 +273,10 @@ CASES = [
      ["--engine", "vllm"]),
     ("dump_out_is_model", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{base.gguf}"], 2,
      ["base.gguf", "--out"]),
+    ("dump_out_holds_foreign_file", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d"], 2,
+     ["d0.safetensors", "--out", "another kind", "'d0'"], {"d/d0.safetensors": "a user's file, not a dump\n"}),
+    ("dump_out_holds_foreign_refused", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d"], 2,
+     ["d0.safetensors.refused", "--out", "another kind"], {"d/d0.safetensors.refused": "mine\n"}),
     # --- sets
     ("sets_json_is_experiment", ["sets", "{exp.toml}", "--json", "{exp.toml}"], 2, ["exp.toml", "--json",
                                                                                    "experiment"]),

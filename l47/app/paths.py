@@ -391,10 +391,40 @@ def check_dump(inputs, model, out, generate=None, ref_logits: bool = False) -> N
         raise L47Error(model, "--model", "a qwen4exp GGUF or a transformers checkpoint folder", "nothing there")
     ins = [(inputs, "input documents"), (model, "model")]
     check_outputs([Output(out, DUMP_DIR, "--out")], ins)  # the path itself first: a file or an input is refused
+    _check_dump_files(inputs, out, ins)
     est = estimate_dump_bytes(model, inputs, out, generate, ref_logits)
     if est is not None and est[0] > 0:
         nb, k = est
         check_outputs([Output(out, DUMP_DIR, "--out", nbytes=nb, nbytes_what=f"{k} dump(s), estimated")], ins)
+
+
+def _check_dump_files(inputs, out, ins) -> None:
+    """Each document's dump file in --out (l47.app.dumping.dump_name) is new, or a dump l47 wrote (a rerun resumes
+    or replaces it), never another file — e.g. a checkpoint's model.safetensors when --out is its folder — and
+    never an input."""
+    from l47.app.dumping import REFUSED_SUFFIX, dump_name
+    from l47.dumps import read_dump
+    from l47.dumps.chat import read_documents
+
+    out = Path(out)
+    if not out.is_dir():
+        return
+    try:
+        docs = read_documents(inputs).docs
+    except (L47Error, OSError, ValueError):
+        return  # the command reports its input
+    for doc in docs:
+        for p in (out / dump_name(doc.id), out / (dump_name(doc.id) + REFUSED_SUFFIX)):
+            if not p.exists() and not p.is_symlink():
+                continue
+            _refuse_inputs(p, "--out", ins)
+            try:
+                ours = p.is_file() and not p.is_symlink() and read_dump(p, validate=False) is not None
+            except (L47Error, OSError, ValueError):
+                ours = False
+            if not ours:
+                raise L47Error(p, "--out", f"a new path or a dump written by `l47 dump` for document {doc.id!r} "
+                               "(a rerun resumes or replaces it)", "an existing file of another kind")
 
 
 def check_bench(json_out, force=False) -> None:
