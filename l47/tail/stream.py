@@ -232,16 +232,30 @@ class VocabAccumulator:
             self._merge_top(z, lo, cm, ci)
 
     def _merge_top(self, z, lo, cm, ci):
+        rows = None  # all rows
         if self.k == 1:
             v, i = cm[:, None], ci[:, None]
         else:
-            v, i = _topk_lowest_id(z, self.k)  # [R, k]
-        allv = torch.cat([self.top_v, v], 1)
-        alli = torch.cat([self.top_i, i + lo], 1)
+            # a row whose chunk max is not above its running k-th logit keeps its top-k (an equal logit of this
+            # chunk has a higher id and ranks after): only the other rows go through top-k — same result
+            need = cm > self.top_v[:, -1]  # [R]
+            if not bool(need.all()):
+                rows = need.nonzero().flatten()
+                if rows.numel() == 0:
+                    return
+                z = z[rows]  # [r, C]
+            v, i = _topk_lowest_id(z, self.k)  # [r, k]
+        tv, ti = (self.top_v, self.top_i) if rows is None else (self.top_v[rows], self.top_i[rows])
+        allv = torch.cat([tv, v], 1)
+        alli = torch.cat([ti, i + lo], 1)
         # earlier chunks (lower ids) first in the concatenation and a stable sort: ties keep the lowest id
         order = torch.sort(allv, dim=1, descending=True, stable=True).indices[:, : self.k]
-        self.top_v = torch.gather(allv, 1, order)
-        self.top_i = torch.gather(alli, 1, order)
+        if rows is None:
+            self.top_v = torch.gather(allv, 1, order)
+            self.top_i = torch.gather(alli, 1, order)
+        else:
+            self.top_v[rows] = torch.gather(allv, 1, order)
+            self.top_i[rows] = torch.gather(alli, 1, order)
 
     def result(self) -> Streamed:
         lse = self.m + torch.log(self.s)  # [R]
