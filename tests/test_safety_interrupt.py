@@ -221,3 +221,29 @@ def test_interrupted_solve_and_audit_rerun_same_bytes(world, tmp_path):
         sys.path.pop(0)
     assert _no_time(json.loads(ja)) == _no_time(json.loads(jb))
     assert (ref / "audit" / "positions.tsv").read_bytes() == (run / "audit" / "positions.tsv").read_bytes()
+
+
+def test_interrupted_export_leaves_no_partial_and_no_temp_folder(tmp_path, monkeypatch):
+    """`l47 export` stopped while it checks the written file (a dump into its own temp folder): exit 143, no
+    OUT, no `.OUT.partial`, and its temp folder (under $TMPDIR) removed; a rerun then writes OUT."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from tiny_ckpt import save_checkpoint
+    finally:
+        sys.path.pop(0)
+    ck = save_checkpoint(tmp_path / "ckpt")
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))  # the child's temp folders go here
+    code, err = _cli_subprocess(["export", ck, out], tmp_path, "checking:")
+    assert code == 143 and "interrupted" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in out.parent.iterdir()) == []  # neither OUT nor its .partial
+    assert sorted(p.name for p in tmpdir.iterdir()) == []  # the check's temp folder removed
+    from typer.testing import CliRunner
+
+    from l47.app.cli import app
+
+    r = CliRunner().invoke(app, ["export", str(ck), str(out)])
+    assert r.exit_code == 0 and out.is_file(), r.output
