@@ -296,12 +296,12 @@ _HEADER_PER_TEXT_BYTE = 8  # the text (and a generated document's prompt) in the
 _HEADER_PER_NEW_TOKEN = 64  # a generated token's text in the metadata (the text is unknown before sampling)
 
 
-def dump_nbytes(T: int, n: int, f: int, hc: int, V: int, topk: int, ref_logits: bool, text_bytes: int = 0) -> int:
-    """An upper bound of one dump file's size (dumps/README.md): per position R [hc, n], hh [f], yr [n], inj [hc],
-    sgv, ref_logp (f32), ref_top_ids (i32) and ref_top_logits (f32) [topk], role (u8), ref_logits [V] (f16) when
-    asked; tokens [T + 1] (i32); the header (16 KiB + 8 bytes per byte of the text)."""
-    per = 4 * (hc * n + f + n + hc + 2 + 2 * topk) + 1 + (2 * V if ref_logits else 0)  # bytes per position
-    return T * per + 4 * (T + 1) + _HEADER_BASE + _HEADER_PER_TEXT_BYTE * text_bytes
+def _file_nbytes(T: int, n: int, f: int, hc: int, V: int, topk: int, ref_logits: bool, text_bytes: int = 0) -> int:
+    """An upper bound of one dump file's size: the array section (l47.dumps.dump_nbytes, exact) + the header
+    (16 KiB + 8 bytes per byte of the text)."""
+    from l47.dumps import dump_nbytes
+
+    return dump_nbytes(T, n, f, hc, V, k=topk, ref_logits=ref_logits) + _HEADER_BASE + _HEADER_PER_TEXT_BYTE * text_bytes
 
 
 def _model_dims(model_path: Path) -> tuple[int, int, int, int]:
@@ -351,11 +351,11 @@ def estimate_dump_bytes(model_path, inputs, out_dir, generate: GenerateOptions |
         try:
             if generate is None:
                 r = render_document(doc, vocab, plain_role)
-                size = dump_nbytes(len(r.tokens) - 1, n, f, hc, V, topk, ref_logits, len(r.text.encode()))
+                size = _file_nbytes(len(r.tokens) - 1, n, f, hc, V, topk, ref_logits, len(r.text.encode()))
             else:
                 p = _prompt(doc, vocab, generate, plain_role)
                 T = len(p.ids) + int(generate.max_new_tokens) - 1
-                size = dump_nbytes(T, n, f, hc, V, topk, ref_logits, 2 * len(p.text.encode())) \
+                size = _file_nbytes(T, n, f, hc, V, topk, ref_logits, 2 * len(p.text.encode())) \
                     + _HEADER_PER_NEW_TOKEN * int(generate.max_new_tokens)
         except L47Error:
             continue  # a bad document is reported (and written nowhere) by run_dump
