@@ -134,3 +134,67 @@ def test_export_estimate_and_refusal(tmp_path, monkeypatch):
     assert r.exit_code == 2 and len(errs) == 1 and "Traceback" not in r.output, r.output
     assert str(out) in errs[0] and "the exported GGUF" in errs[0] and "free in" in errs[0], errs[0]
     assert not out.exists() and not list(tmp_path.glob(".m2.gguf*"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_tokenizer_kv):
+    from test_malformed import _toml, make_world
+
+    w = make_world(tmp_path_factory.mktemp("disk_world"), tmp_path_factory.mktemp("disk_build"), tiny_tokenizer_kv)
+    exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
+                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
+                split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')
+    (w["root"] / "det.toml").write_text(exp)
+    return w
+
+
+def test_audit_and_score_outputs_estimated_and_refused(world, tmp_path, monkeypatch):
+    """The audit's estimate (positions x row bytes, from the dumps' headers) bounds what it writes; a disk one byte
+    short of it refuses the audit (and `score --tsv`) before anything is scored or written."""
+    from l47.app import paths as P
+    from l47.data.experiment import load_experiment
+
+    real_du = shutil.disk_usage
+    exp = load_experiment(world["root"] / "det.toml")
+    docs = [p for s, p in exp.documents() if s != "blind"]
+    T, longest = P._positions(docs)
+    assert T == sum(len(open_tokens(p)) - 1 for p in docs) and T > 0
+    out = tmp_path / "a"
+    argv = ["audit", str(world["bundle"]), "--base", str(world["base"]), "--experiment", str(world["root"] / "det.toml"),
+            "--out", str(out), "--ledger", str(tmp_path / "l.jsonl")]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code in (0, 1), r.output
+    tsv = (out / "positions.tsv").stat().st_size
+    reports = (out / "report.json").stat().st_size + (out / "report.md").stat().st_size
+    plots = sum(p.stat().st_size for p in (out / "plots").rglob("*") if p.is_file())
+    assert tsv <= T * (P.TSV_ROW_AUDIT + longest), (tsv, T)
+    assert reports + plots <= T * P.REPORT_PER_POSITION + P.REPORT_BASE, (reports, plots, T)
+
+    need = T * (P.TSV_ROW_AUDIT + longest + P.REPORT_PER_POSITION) + P.REPORT_BASE
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(1 << 40, (1 << 40) - (need - 1), need - 1))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = CliRunner().invoke(app, argv[:-3] + [str(tmp_path / "b"), "--ledger", str(tmp_path / "l2.jsonl")])
+    errs = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errs) == 1, r.output
+    assert str(tmp_path / "b") in errs[0] and f"the report of {T} positions" in errs[0], errs[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no folder, no ledger
+
+    dumps = [str(p) for p in docs[:2]]
+    T2, _ = P._positions(dumps)
+    need2 = T2 * (P.TSV_ROW_SCORE + 100)
+    monkeypatch.setattr(shutil, "disk_usage", real_du)  # the real disk again
+    r = CliRunner().invoke(app, ["score", *dumps, "--model", str(world["base"]), "--tsv", str(tmp_path / "ok.tsv"),
+                                 "--ledger", str(tmp_path / "l.jsonl")])
+    assert r.exit_code == 0 and (tmp_path / "ok.tsv").stat().st_size <= need2, r.output
+    before = sorted(p.name for p in tmp_path.iterdir())
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: _Usage(1 << 40, (1 << 40) - (need2 - 1), need2 - 1))
+    r = CliRunner().invoke(app, ["score", *dumps, "--model", str(world["base"]), "--tsv", str(tmp_path / "s.tsv"),
+                                 "--ledger", str(tmp_path / "l3.jsonl")])
+    assert r.exit_code == 2 and f"{T2} rows" in r.output and "s.tsv" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def open_tokens(p):
+    from l47.dumps import read_dump
+
+    return read_dump(p).tokens

@@ -289,9 +289,34 @@ def _models(exp, model, allow: bool, extra=()) -> list[str]:
     return other_model_notes([p for _, p in exp.documents()] + [p for p in extra if p is not None], sha, model, allow)
 
 
+# expected bytes of a per-position TSV row beyond its path / id column (numbers, token texts, separators): the
+# audit's positions.tsv rows are ~270 bytes with a 58-byte path on the demo; score's ~40 beyond the doc id
+TSV_ROW_AUDIT = 320
+TSV_ROW_SCORE = 96
+REPORT_PER_POSITION = 64  # report.json / report.md per scored position (31 bytes on the demo)
+REPORT_BASE = 4 << 20  # plots and the reports' fixed part
+
+
+def _positions(paths) -> tuple[int, int]:
+    """(positions, longest path) of the readable dumps among `paths` (headers only; unreadable ones are the
+    command's to report)."""
+    from l47.dumps import read_dump
+
+    T, longest = 0, 0
+    for p in paths:
+        try:
+            T += len(read_dump(p, validate=False).tokens) - 1
+        except (L47Error, OSError, ValueError):
+            continue
+        longest = max(longest, len(str(p)))
+    return T, longest
+
+
 def check_score(model, dumps, bundle, tsv, ledger, force=False) -> None:
     ins = [(model, "base model"), (bundle, "bundle")] + [(d, "dump") for d in dumps]
-    check_outputs([Output(tsv, SCORE_TSV, "--tsv"),
+    T, _ = _positions(dumps) if tsv is not None else (0, 0)
+    check_outputs([Output(tsv, SCORE_TSV, "--tsv", nbytes=T * (TSV_ROW_SCORE + 100),
+                          nbytes_what=f"{T} rows, estimated"),
                    Output(ledger, LEDGER, "--ledger")], ins, force=force)
 
 
@@ -356,7 +381,11 @@ def check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record
                                                   (dev_report, "dev report"), (record, "solve record")]
     ins += [(d, "engine dump") for d in engine_dumps]
     out = Path(out)
-    check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV)),
+    docs = [blind] if blind is not None else [p for s, p in exp.documents() if s != "blind"]
+    T, longest = _positions(docs)
+    need = T * (TSV_ROW_AUDIT + longest + REPORT_PER_POSITION) + REPORT_BASE
+    check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV), nbytes=need,
+                          nbytes_what=f"the report of {T} positions, estimated"),
                    Output(_file_out(json_out), AUDIT_JSON, "--json"),
                    Output(ledger, LEDGER, "--ledger")], ins, force=force)
     return _models(exp, base, allow_other_model, extra=(blind,))  # engine dumps: the bundle's
