@@ -252,29 +252,33 @@ def _sample_batch(model, docs, vocab, gen: GenerateOptions, plain_role: str) -> 
         return {}  # e.g. an id outside the model: each document then fails on its own, with its name
 
 
-def _strata_document(sbin, model_path: Path, doc, vocab, gen: GenerateOptions | None, raw_dir: Path, L: int,
-                     mid: str, plain_role: str, topk: int, ref_logits: bool, source: dict):
-    """One document through the external Strata binary (engine/CONTRACT.md) -> (arrays, DumpMeta fields)."""
+def _strata_document(job: "DumpJob", eng: "_LoadedEngine", doc, raw_dir: Path, source: dict):
+    """One document through the external Strata binary (engine/CONTRACT.md) -> (arrays, DumpMeta)."""
+    from l47.dumps import DumpMeta
     from l47.dumps.chat import render_document
     from l47.engine import strata
     from l47.engine.hf import SamplerSettings
 
+    gen, vocab, mid = job.generate, eng.vocab, eng.mid
+    run = dict(topk=job.topk, ref_logits=job.ref_logits)
     if gen is None:
-        r = render_document(doc, vocab, plain_role)
-        strata.run_strata(sbin, model_path, list(r.tokens), raw_dir, L, topk=topk, ref_logits=ref_logits)
+        r = render_document(doc, vocab, job.plain_role)
+        strata.run_strata(eng.sbin, job.model_path, list(r.tokens), raw_dir, eng.L, **run)
         base = {"doc_id": doc.id, "text": r.text, "role": r.role, "provenance": provenance_of(r.role, None),
                 "model": mid, "source": source}
-        return strata.convert(raw_dir, base)
-    p = _prompt(doc, vocab, gen, plain_role)
+        arrays, fields = strata.convert(raw_dir, base)
+        return arrays, DumpMeta(**fields)
+    p = _prompt(doc, vocab, gen, job.plain_role)
     settings = SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
                                gen.top_k, tuple(p.stop))
-    strata.run_strata(sbin, model_path, p.ids, raw_dir, L, settings, topk=topk, ref_logits=ref_logits)
+    strata.run_strata(eng.sbin, job.model_path, p.ids, raw_dir, eng.L, settings, **run)
     raw = strata.read_raw(raw_dir)
     new = [int(t) for t in np.asarray(raw[strata.K_TOKENS])[len(p.ids):]]
     r = _with_generation(doc, vocab, gen, p, new, mid, "strata")
     base = {"doc_id": doc.id, "text": r.text, "role": r.role, "model": mid, "source": source,
             "prompt_text": p.text}
-    return strata.convert(raw, base)
+    arrays, fields = strata.convert(raw, base)
+    return arrays, DumpMeta(**fields)
 
 
 def zero_proxy(tail, dump) -> tuple[float, float]:
@@ -459,6 +463,83 @@ def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
     return d.meta.source.get("input_sha256") == input_hash and d.meta.model == mid
 
 
+@dataclass(frozen=True)
+class DumpJob:
+    """Everything one `l47 dump` run is asked to do (the arguments of `run_dump`, checked and resolved)."""
+
+    engine: str
+    model_path: Path
+    inputs: object  # JSONL path, datasets path/object, or a DocumentSet
+    out_dir: Path
+    layer: int | None
+    generate: GenerateOptions | None
+    ref_logits: bool
+    tolerance: float  # nats, resolved (the engine's default when not given)
+    policy: str
+    device: str
+    vocab: object | None  # None: the model's own
+    plain_role: str
+    topk: int
+    split: str | None
+    engine_bin: object | None
+    placement: object | None
+    batch: int
+
+
+@dataclass(frozen=True)
+class _LoadedEngine:
+    """The engine a job runs: the hf model (None for Strata) or the Strata binary, the tail weights of the
+    zero-proxy check, the model id, the engine's metadata and the vocabulary the documents are rendered with."""
+
+    sbin: Path | None
+    model: object | None
+    tail: object
+    mid: str
+    meta: dict
+    vocab: object
+
+    @property
+    def L(self) -> int:
+        return self.tail.layer
+
+
+class _Reporter:
+    """The progress bar and per-document lines on a rich console; every method does nothing without one."""
+
+    def __init__(self, console, total: int, input_errors) -> None:
+        self.console, self.progress, self.task = console, None, None
+        if console is None:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("[bold]dump[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), console=console)
+        for e in input_errors:
+            console.print(f"[red]input error:[/] {escape(str(e))}", highlight=False)
+        self.total = total
+
+    def say(self, msg: str) -> None:
+        if self.console is not None:
+            self.console.print(msg, highlight=False)
+
+    def start(self) -> None:
+        if self.progress is not None:
+            self.progress.start()
+            self.task = self.progress.add_task("", total=self.total)
+
+    def document(self, doc_id: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=doc_id[:40])
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
 def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, layer: int | None = None,
              generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
              tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
@@ -466,7 +547,10 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
              engine_bin=None, placement=None, batch: int = 16) -> DumpSummary:
     """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
 
-    engine      "hf" (transformers reference engine); "strata" is not implemented yet
+    Many parameters on purpose: this is the keyword API of `l47 dump` that the CLI, the demo, export and the tests
+    call; it only checks them into a `DumpJob` and runs `dump_job`.
+
+    engine      "hf" (transformers reference engine) or "strata" (the external binary, engine/CONTRACT.md)
     model_path  a qwen4exp GGUF written by l47's exporter (tensors dequantised under `policy`, vocabulary from
                 its metadata) or a transformers checkpoint directory (vocabulary: its own tokenizer.json)
     layer       must be the last layer (the exact tail forward holds only there); None = the last
@@ -476,10 +560,6 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
     console     a rich Console for the progress bar and per-document lines; None = silent
     batch       hf engine: documents whose turns are sampled together (padded; the same ids as one at a time)
     """
-    from l47.dumps import SCHEMA_VERSION, DumpMeta, read_dump, write_dump
-    from l47.dumps.chat import DocumentSet, read_documents
-    from l47.engine.hf import HH_PRECISION, INJ_CONVENTION, batchable, capture
-
     if int(batch) < 1:
         raise L47Error("l47 dump", "--batch", "an integer >= 1", str(batch))
     if engine not in ENGINES:
@@ -489,128 +569,169 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
     if plain_role not in names.ROLE_ID:
         raise L47Error("l47 dump", "plain_role", f"one of {list(names.ROLES)}", repr(plain_role))
     tol = DEFAULT_TOLERANCE[engine] if tolerance is None else float(tolerance)
-    model_path, out_dir = Path(model_path), Path(out_dir)
-    sbin = None
-    if engine == "strata":
+    job = DumpJob(engine, Path(model_path), inputs, Path(out_dir), layer, generate, ref_logits, tol, policy, device,
+                  vocab, plain_role, topk, split, engine_bin, placement, batch)
+    return dump_job(job, console)
+
+
+def dump_job(job: DumpJob, console=None) -> DumpSummary:
+    """load engine -> plan documents -> dump each (resumable, errors collected) -> summary."""
+    eng = _load_job_engine(job)
+    docset = _plan_documents(job, eng.vocab)
+    report = _Reporter(console, len(docset.docs), docset.errors)
+    results = _dump_documents(job, eng, docset.docs, report)
+    summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), eng.mid, eng.meta, job.tolerance,
+                          str(job.out_dir))
+    report.say(f"dump: {summary.count(STATUS_WRITTEN)} written, {summary.count(STATUS_SKIPPED)} skipped, "
+               f"{summary.count(STATUS_REFUSED)} refused, {summary.count(STATUS_ERROR)} failed, "
+               f"{len(summary.input_errors)} input error(s)")
+    return summary
+
+
+def _load_job_engine(job: DumpJob) -> _LoadedEngine:
+    """The Strata binary + the tail weights, or the hf model (cached per process); the vocabulary resolved."""
+    if job.engine == "strata":
         from l47.engine import strata
         from l47.engine.hf import model_id
         from l47.model.vocab import vocab_for_model
         from l47.model.weights import load_tail_weights
 
-        sbin = strata.strata_binary(engine_bin)
-        if not model_path.is_file():
-            raise L47Error(model_path, "model", "the qwen4exp GGUF the Strata binary runs", "not a file")
-        model, cfg = None, None
-        tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
-        mid, default_vocab = model_id(model_path), vocab_for_model(model_path)
-        emeta = {"name": "strata", "bin": str(sbin)}
-    else:
-        if vocab is None and model_path.is_dir():  # the checkpoint's own tokenizer, checked before loading
-            from l47.engine.gguf_export import read_hf_config
-            from l47.model.vocab import vocab_from_checkpoint
+        sbin = strata.strata_binary(job.engine_bin)
+        if not job.model_path.is_file():
+            raise L47Error(job.model_path, "model", "the qwen4exp GGUF the Strata binary runs", "not a file")
+        tail = load_tail_weights(job.model_path, policy=job.policy, device=job.device, layer=job.layer)
+        mid, default_vocab = model_id(job.model_path), vocab_for_model(job.model_path)
+        return _LoadedEngine(sbin, None, tail, mid, {"name": "strata", "bin": str(sbin)}, job.vocab or default_vocab)
+    if job.vocab is None and job.model_path.is_dir():  # the checkpoint's own tokenizer, checked before loading
+        from l47.engine.gguf_export import read_hf_config
+        from l47.model.vocab import vocab_from_checkpoint
 
-            vocab_from_checkpoint(model_path, int(read_hf_config(model_path).vocab_size))
-        model, tail, mid, emeta, default_vocab = _load_engine(model_path, policy, device, layer, placement)
-        cfg = model.config
-    vocab = vocab or default_vocab
-    docset = inputs if isinstance(inputs, DocumentSet) else read_documents(inputs, split=split)
-    if generate is not None or any(d.messages is not None for d in docset.docs):
+        vocab_from_checkpoint(job.model_path, int(read_hf_config(job.model_path).vocab_size))
+    model, tail, mid, meta, default_vocab = _load_engine(job.model_path, job.policy, job.device, job.layer,
+                                                         job.placement)
+    return _LoadedEngine(None, model, tail, mid, meta, job.vocab or default_vocab)
+
+
+def _plan_documents(job: DumpJob, vocab):
+    """The documents (bad records collected as input errors); chat documents and generation need the specials."""
+    from l47.dumps.chat import DocumentSet, read_documents
+
+    docset = job.inputs if isinstance(job.inputs, DocumentSet) else read_documents(job.inputs, split=job.split)
+    if job.generate is not None or any(d.messages is not None for d in docset.docs):
         from l47.model.vocab import require_specials
 
-        need = names.SPECIAL_TOKENS if generate is not None else (names.IM_START, names.IM_END)
+        need = names.SPECIAL_TOKENS if job.generate is not None else (names.IM_START, names.IM_END)
         require_specials(vocab, need, "chat documents and generation")
-    L = tail.layer
-    made = _missing_dirs(out_dir)  # the folders this run creates (removed again if it ends with them empty)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    raw_root = out_dir / STRATA_RAW
-    raw_made = sbin is not None and not raw_root.exists()
+    return docset
+
+
+def _dump_documents(job: DumpJob, eng: _LoadedEngine, docs, report: _Reporter) -> list[DocResult]:
+    """Every document in order, the hf engine's turns sampled a batch ahead; the folders this run created (and
+    the Strata contract folder) removed again when left empty, whatever happened."""
+    from l47.engine.hf import batchable
+
+    made = _missing_dirs(job.out_dir)  # the folders this run creates (removed again if it ends with them empty)
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    raw_root = job.out_dir / STRATA_RAW
+    raw_made = eng.sbin is not None and not raw_root.exists()
     results: list[DocResult] = []
-
-    progress = None
-    if console is not None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        progress = Progress(TextColumn("[bold]dump[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), console=console)
-        for e in docset.errors:
-            console.print(f"[red]input error:[/] {escape(str(e))}", highlight=False)
-
-    def say(msg: str) -> None:
-        if console is not None:
-            console.print(msg, highlight=False)
-
     try:
-        if progress is not None:
-            progress.start()
-            task = progress.add_task("", total=len(docset.docs))
+        report.start()
         sampled: dict[str, list[int]] = {}
-        bs = batch if (generate is not None and sbin is None and batchable(model)) else 1
-        for k, doc in enumerate(docset.docs):
+        bs = job.batch if (job.generate is not None and eng.sbin is None and batchable(eng.model)) else 1
+        for k, doc in enumerate(docs):
             if bs > 1 and k % bs == 0:  # the next batch's turns, sampled together (documents still to do)
-                todo = [d for d in docset.docs[k:k + bs] if not _existing_matches(
-                    out_dir / dump_name(d.id), _input_hash(d, L, generate, ref_logits, topk, plain_role, emeta), mid)]
-                sampled = _sample_batch(model, todo, vocab, generate, plain_role) if len(todo) > 1 else {}
-            if progress is not None:
-                progress.update(task, description=doc.id[:40])
-            path = out_dir / dump_name(doc.id)
-            pending = path.with_name(path.name + PENDING_SUFFIX)
-            refused = path.with_name(path.name + REFUSED_SUFFIX)
-            ih = _input_hash(doc, L, generate, ref_logits, topk, plain_role, emeta)
+                sampled = _sample_ahead(job, eng, docs[k:k + bs])
+            report.document(doc.id)
             try:
-                if _existing_matches(path, ih, mid):
-                    results.append(DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model"))
-                    say(f"  {escape(doc.id)}: skipped (already dumped with the same input and model)")
-                    continue
-                source = _portable_source(inputs, doc, ih)
-                if sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
-                    raw_dir = raw_root / path.stem
-                    arrays, fields = _strata_document(sbin, model_path, doc, vocab, generate, raw_dir, L, mid,
-                                                      plain_role, topk, ref_logits, source)
-                    meta = DumpMeta(**fields)
-                    T = int(len(arrays["tokens"]) - 1)
-                else:
-                    r = _render(doc, vocab, generate, model, mid, plain_role, sampled.pop(doc.id, None))
-                    arrays = capture(model, r.tokens, L, ref_logits=ref_logits, topk=topk,
-                                     where=f"{doc.source} (doc {doc.id!r})")
-                    arrays["role"] = r.role
-                    meta = DumpMeta(
-                        schema_version=SCHEMA_VERSION, doc_id=doc.id, layer=L, n=int(cfg.hidden_size),
-                        f=int(cfg.shared_expert_intermediate_size), hc=int(cfg.hc_count), r=int(cfg.hc_lowrank),
-                        V=int(cfg.vocab_size), model=mid, engine=emeta, inj_convention=INJ_CONVENTION,
-                        hh_precision=HH_PRECISION, provenance=r.provenance, text=r.text, source=source,
-                    )
-                    T = len(r.tokens) - 1
-                write_dump(pending, arrays, meta)
-                mx, mean = zero_proxy(tail, read_dump(pending))
-                if mx <= tol:
-                    os.replace(pending, path)
-                    refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
-                    results.append(DocResult(doc.id, STATUS_WRITTEN, str(path), T, mx, mean))
-                    say(f"  {escape(doc.id)}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
-                else:
-                    os.replace(pending, refused)
-                    msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {tol:.1e} (mean {mean:.3e}); "
-                           f"kept as {refused.name}")
-                    results.append(DocResult(doc.id, STATUS_REFUSED, str(refused), T, mx, mean, msg))
-                    say(f"  [red]{escape(doc.id)}: refused[/]: {escape(msg)}")
-            except L47Error as e:
-                results.append(DocResult(doc.id, STATUS_ERROR, None, message=str(e)))
-                say(f"  [red]{escape(doc.id)}: error[/]: {escape(str(e))}")
+                results.append(_dump_document(job, eng, doc, sampled.pop(doc.id, None), raw_root, report))
             finally:
-                pending.unlink(missing_ok=True)  # never left behind, whatever failed (an interrupt included)
-                if sbin is not None:
-                    strata.remove_raw(raw_root / path.stem, L)  # the engine's contract files, nothing else
-                if progress is not None:
-                    progress.advance(task)
+                report.advance()
     finally:
-        if progress is not None:
-            progress.stop()
+        report.stop()
         if raw_made:
             _rmdir_if_empty(raw_root)
         for d in made:  # deepest first: a folder this run created and left empty (a refusal, an interrupt)
             _rmdir_if_empty(d)
-    summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), mid, emeta, tol, str(out_dir))
-    say(f"dump: {summary.count(STATUS_WRITTEN)} written, {summary.count(STATUS_SKIPPED)} skipped, "
-        f"{summary.count(STATUS_REFUSED)} refused, {summary.count(STATUS_ERROR)} failed, "
-        f"{len(summary.input_errors)} input error(s)")
-    return summary
+    return results
+
+
+def _doc_hash(job: DumpJob, eng: _LoadedEngine, doc) -> str:
+    return _input_hash(doc, eng.L, job.generate, job.ref_logits, job.topk, job.plain_role, eng.meta)
+
+
+def _sample_ahead(job: DumpJob, eng: _LoadedEngine, docs) -> dict[str, list[int]]:
+    """The sampled turns of the documents of a batch that still need a dump (two or more; else none)."""
+    todo = [d for d in docs if not _existing_matches(job.out_dir / dump_name(d.id), _doc_hash(job, eng, d), eng.mid)]
+    return _sample_batch(eng.model, todo, eng.vocab, job.generate, job.plain_role) if len(todo) > 1 else {}
+
+
+def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | None, raw_root: Path,
+                   report: _Reporter) -> DocResult:
+    """One document: skipped (same input and model) | captured -> written to a pending name -> zero-proxy check
+    -> renamed to its dump name or refused. An L47Error is the document's error; the pending file and the
+    engine's contract files never stay behind."""
+    path = job.out_dir / dump_name(doc.id)
+    pending = path.with_name(path.name + PENDING_SUFFIX)
+    ih = _doc_hash(job, eng, doc)
+    try:
+        if _existing_matches(path, ih, eng.mid):
+            report.say(f"  {escape(doc.id)}: skipped (already dumped with the same input and model)")
+            return DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model")
+        source = _portable_source(job.inputs, doc, ih)
+        if eng.sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
+            arrays, meta = _strata_document(job, eng, doc, raw_root / path.stem, source)
+        else:
+            arrays, meta = _hf_document(job, eng, doc, sampled, source)
+        return _write_checked(job, eng, doc.id, arrays, meta, path, report)
+    except L47Error as e:
+        report.say(f"  [red]{escape(doc.id)}: error[/]: {escape(str(e))}")
+        return DocResult(doc.id, STATUS_ERROR, None, message=str(e))
+    finally:
+        pending.unlink(missing_ok=True)  # never left behind, whatever failed (an interrupt included)
+        if eng.sbin is not None:
+            from l47.engine import strata
+
+            strata.remove_raw(raw_root / path.stem, eng.L)  # the engine's contract files, nothing else
+
+
+def _hf_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | None, source: dict):
+    """One document through the transformers engine -> (arrays, DumpMeta)."""
+    from l47.dumps import SCHEMA_VERSION, DumpMeta
+    from l47.engine.hf import HH_PRECISION, INJ_CONVENTION, capture
+
+    cfg = eng.model.config
+    r = _render(doc, eng.vocab, job.generate, eng.model, eng.mid, job.plain_role, sampled)
+    arrays = capture(eng.model, r.tokens, eng.L, ref_logits=job.ref_logits, topk=job.topk,
+                     where=f"{doc.source} (doc {doc.id!r})")
+    arrays["role"] = r.role
+    meta = DumpMeta(
+        schema_version=SCHEMA_VERSION, doc_id=doc.id, layer=eng.L, n=int(cfg.hidden_size),
+        f=int(cfg.shared_expert_intermediate_size), hc=int(cfg.hc_count), r=int(cfg.hc_lowrank),
+        V=int(cfg.vocab_size), model=eng.mid, engine=eng.meta, inj_convention=INJ_CONVENTION,
+        hh_precision=HH_PRECISION, provenance=r.provenance, text=r.text, source=source,
+    )
+    return arrays, meta
+
+
+def _write_checked(job: DumpJob, eng: _LoadedEngine, doc_id: str, arrays, meta, path: Path,
+                   report: _Reporter) -> DocResult:
+    """Write to the pending name, run the zero-proxy check on what was written, then rename it to the dump name
+    (a stale refusal removed) or to `*.refused` above the tolerance."""
+    from l47.dumps import read_dump, write_dump
+
+    pending = path.with_name(path.name + PENDING_SUFFIX)
+    refused = path.with_name(path.name + REFUSED_SUFFIX)
+    T = int(len(arrays["tokens"]) - 1)
+    write_dump(pending, arrays, meta)
+    mx, mean = zero_proxy(eng.tail, read_dump(pending))
+    if mx <= job.tolerance:
+        os.replace(pending, path)
+        refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
+        report.say(f"  {escape(doc_id)}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
+        return DocResult(doc_id, STATUS_WRITTEN, str(path), T, mx, mean)
+    os.replace(pending, refused)
+    msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {job.tolerance:.1e} (mean {mean:.3e}); "
+           f"kept as {refused.name}")
+    report.say(f"  [red]{escape(doc_id)}: refused[/]: {escape(msg)}")
+    return DocResult(doc_id, STATUS_REFUSED, str(refused), T, mx, mean, msg)
