@@ -331,10 +331,11 @@ def solve(
     from l47.app.solve_report import solve_and_print
     from l47.solvers.solve import SolveArgs
 
-    check_solve(experiment, out, model, overlay, sets_json, ledger, force, method, allow_other_model, json_out)
+    args = SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
+                     allow_other_model=allow_other_model)
+    check_solve(args, force, json_out)
     with json_to_stdout(json_out, console) as target:
-        res = solve_and_print(SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
-                                        allow_other_model=allow_other_model), console)
+        res = solve_and_print(args, console)
         if target is not None:
             write_text_atomic(target, res.record.to_json())
     raise typer.Exit(1 if (strict and res.claims.method.get("warnings")) else 0)
@@ -464,12 +465,12 @@ def audit(
     from l47.evals.audit import AuditArgs
     from l47.fileio import write_text_atomic
 
-    check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force,
-                allow_other_model, json_out)
+    args = AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
+                     tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
+                     allow_other_model=allow_other_model)
+    check_audit(args, force, json_out)
     with json_to_stdout(json_out, console) as target:
-        res = audit_and_print(AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
-                                        tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
-                                        allow_other_model=allow_other_model), FittedConsole(console))
+        res = audit_and_print(args, FittedConsole(console))
         if target is not None:
             import json as _json
 
@@ -497,9 +498,9 @@ def penalty(
     from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty
 
-    notes = check_penalty(experiment, out, base, bundle, force, bias, form, allow_other_model, ledger)
-    print_penalty(run_penalty(PenaltyArgs(experiment, out, base, bundle, bias, form, device=device, ledger=ledger)),
-                  console)
+    args = PenaltyArgs(experiment, out, base, bundle, bias, form, device=device, ledger=ledger)
+    notes = check_penalty(args, force, allow_other_model)
+    print_penalty(run_penalty(args), console)
     _print_stamps(notes)
 
 

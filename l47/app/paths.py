@@ -334,27 +334,27 @@ def _file_out(json_out):
     return None if json_out is None or str(json_out) == "-" else Path(json_out)
 
 
-def check_solve(experiment, out, model, overlay, sets_json, ledger, force=False, method="wfld",
-                allow_other_model=False, json_out=None) -> list[str]:
+def check_solve(args, force=False, json_out=None) -> list[str]:
+    """`l47 solve`'s paths, config and sets report before the model is read (args: l47.solvers.solve.SolveArgs)."""
     from l47.data.record import record_path_for
     from l47.solvers.solve import resolve_config
 
-    exp = _exp(experiment)
-    resolve_config(exp.solver, method, str(exp.path))  # every knob checked before the model is read
-    if sets_json is not None:
+    exp = _exp(args.experiment)
+    resolve_config(exp.solver, args.method, str(exp.path))  # every knob checked before the model is read
+    if args.sets_json is not None:
         from l47.data.sets import load_sets_report
 
-        load_sets_report(sets_json)  # a bad sets report fails now, not after the model is loaded
-    model = model or exp.model
-    ins = experiment_inputs(exp) + [(model, "base model"), (sets_json, "sets report")]
-    out = Path(out)
-    size = (_overlay_nbytes(model) if overlay else file_size(model)) if model is not None and Path(model).is_file() \
-        else 0
+        load_sets_report(args.sets_json)  # a bad sets report fails now, not after the model is loaded
+    model = args.model or exp.model
+    ins = experiment_inputs(exp) + [(model, "base model"), (args.sets_json, "sets report")]
+    out = Path(args.out)
+    size = (_overlay_nbytes(model) if args.overlay else file_size(model)) \
+        if model is not None and Path(model).is_file() else 0
     check_outputs([Output(out, GGUF, "--out", nbytes=size),
                    Output(record_path_for(out), SOLVE_RECORD, "--out (its solve record)"),
                    Output(_file_out(json_out), SOLVE_RECORD, "--json"),
-                   Output(ledger, LEDGER, "--ledger")], ins, force=force)
-    return _models(exp, model, allow_other_model)
+                   Output(args.ledger, LEDGER, "--ledger")], ins, force=force)
+    return _models(exp, model, args.allow_other_model)
 
 
 def check_plan(experiment, json_out, model, sets_json, force=False) -> None:
@@ -372,40 +372,42 @@ def check_transplant(overlay, base, out, force=False) -> None:
                   force=force)
 
 
-def check_audit(bundle, base, experiment, out, blind, dev_report, ledger, record, engine_dumps, force=False,
-                allow_other_model=False, json_out=None) -> list[str]:
+def check_audit(args, force=False, json_out=None) -> list[str]:
+    """`l47 audit`'s inputs and outputs, with room for the report (args: l47.evals.audit.AuditArgs)."""
     from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
 
-    exp = _exp(experiment)
-    ins = experiment_inputs(exp) + [(bundle, "bundle"), (base, "base model"), (blind, "blind dump"),
-                                                  (dev_report, "dev report"), (record, "solve record")]
-    ins += [(d, "engine dump") for d in engine_dumps]
-    out = Path(out)
-    docs = [blind] if blind is not None else [p for s, p in exp.documents() if s != "blind"]
+    exp = _exp(args.experiment)
+    ins = experiment_inputs(exp) + [(args.bundle, "bundle"), (args.base, "base model"), (args.blind, "blind dump"),
+                                    (args.dev_report, "dev report"), (args.record, "solve record")]
+    ins += [(d, "engine dump") for d in args.engine_dumps]
+    out = Path(args.out_dir)
+    docs = [args.blind] if args.blind is not None else [p for s, p in exp.documents() if s != "blind"]
     T, longest = _positions(docs)
     need = T * (TSV_ROW_AUDIT + longest + REPORT_PER_POSITION) + REPORT_BASE
     check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV), nbytes=need,
                           nbytes_what=f"the report of {T} positions, estimated"),
                    Output(_file_out(json_out), AUDIT_JSON, "--json"),
-                   Output(ledger, LEDGER, "--ledger")], ins, force=force)
-    return _models(exp, base, allow_other_model, extra=(blind,))  # engine dumps: the bundle's
+                   Output(args.ledger, LEDGER, "--ledger")], ins, force=force)
+    return _models(exp, args.base, args.allow_other_model, extra=(args.blind,))  # engine dumps: the bundle's
 
 
-def check_penalty(experiment, out, base, bundle, force=False, bias=5.0, form="prefix-exact",
-                  allow_other_model=False, ledger=None) -> list[str]:
+def check_penalty(args, force=False, allow_other_model=False) -> list[str]:
+    """`l47 penalty`'s bias, form, inputs and outputs (args: l47.evals.penalty.PenaltyArgs)."""
     import math
 
     from l47.evals.penalty import FORMS
 
-    exp = _exp(experiment)
+    exp = _exp(args.experiment)
+    bias, form = args.bias, args.form
     if not (isinstance(bias, (int, float)) and math.isfinite(bias) and bias > 0):
         raise L47Error("l47 penalty", "--bias", "a finite logit bias > 0 (subtracted from the final token)",
                        repr(bias))
     if form not in FORMS:
         raise L47Error("l47 penalty", "--form", f"one of {list(FORMS)}", repr(form))
-    ins = experiment_inputs(exp) + [(base, "base model"), (bundle, "bundle")]
-    check_outputs([Output(out, PENALTY_JSON, "--out"), Output(ledger, LEDGER, "--ledger")], ins, force=force)
-    return _models(exp, base, allow_other_model)
+    ins = experiment_inputs(exp) + [(args.base, "base model"), (args.bundle, "bundle")]
+    check_outputs([Output(args.out, PENALTY_JSON, "--out"), Output(args.ledger, LEDGER, "--ledger")], ins,
+                  force=force)
+    return _models(exp, args.base, allow_other_model)
 
 
 def check_dump(inputs, model, out, generate=None, ref_logits: bool = False) -> None:
