@@ -39,6 +39,7 @@ import numpy as np
 
 from l47.fileio import write_text_atomic
 from l47.errors import L47Error
+from l47.evals.metrics import FINALS as FINALS_KEY  # HeadStats.set_logp key of the penalised final tokens
 
 PENALTY_SCHEMA = "l47.penalty/1"
 FORM_EXACT = "prefix-exact"
@@ -179,18 +180,17 @@ class Simulated:
     argmax_exact: bool = True  # k > |S_t| at every row
 
 
-def simulate(stats, targets, mask: np.ndarray, finals: Sequence[int], bias: float, finals_key: str = "finals",
-             base=None, kld_base_stats=None, token_sets: dict | None = None) -> Simulated:
-    """Apply the penalty exactly to one model's statistics. (More than eight parameters: the optional ones
-    select the stacked form and which token sets to carry; `penalise_document` is the usual entry.)
+def simulate(stats, targets, mask: np.ndarray, finals: Sequence[int], bias: float, base=None, kld_base_stats=None,
+             token_sets: dict | None = None) -> Simulated:
+    """Apply the penalty exactly to one model's statistics (`penalise_document` is the usual entry).
 
     stats: HeadStats of the model the sampler sits on (base alone, or the edited model when stacked); it must
-    carry set_logp[finals_key] [T, F] in the order of `finals`. targets [T]; mask [T, F] from `penalty_mask`.
+    carry set_logp[FINALS_KEY] [T, F] in the order of `finals`. targets [T]; mask [T, F] from `penalty_mask`.
     base / kld_base_stats: for the stacked case, the base HeadStats and KL(base ‖ edited) [T]; KL is then
     measured from the base. token_sets: name -> ids whose penalised log p is wanted (must be in stats.set_logp).
     """
     finals = np.asarray(finals, dtype=np.int64)  # [F]
-    lpF = np.asarray(stats.set_logp[finals_key], dtype=np.float64)  # [T, F]
+    lpF = np.asarray(stats.set_logp[FINALS_KEY], dtype=np.float64)  # [T, F]
     m = np.asarray(mask, dtype=bool)  # [T, F]
     T = lpF.shape[0]
     targets = np.asarray(targets, dtype=np.int64)  # [T]
@@ -211,7 +211,7 @@ def simulate(stats, targets, mask: np.ndarray, finals: Sequence[int], bias: floa
     if base is None:
         kl = b * pS + logZ  # [T] KL(p ‖ p')
     else:
-        pSb = (np.exp(np.asarray(base.set_logp[finals_key], dtype=np.float64)) * m).sum(1)  # [T]
+        pSb = (np.exp(np.asarray(base.set_logp[FINALS_KEY], dtype=np.float64)) * m).sum(1)  # [T]
         kl = np.asarray(kld_base_stats, dtype=np.float64) + b * pSb + logZ
     sets = {}
     for name, ids in (token_sets or {}).items():
@@ -339,18 +339,83 @@ class PenaltyResult:
         return asdict(self)
 
 
+@dataclass
+class _PenaltyTally:
+    """Running figures of `run_penalty` over the documents: p(rejected) per phrase at its events (base,
+    penalty, bundle, stacked), the rows the penalty leaves alone and its max |Δ log p| there, extra hits."""
+
+    acc: dict = field(default_factory=dict)  # phrase -> {base, penalty, bundle, stacked: [p]}
+    unchanged: int = 0
+    pen_rows: int = 0
+    max_abs: float = 0.0
+    extra: dict = field(default_factory=lambda: {FORM_LAST: [], FORM_SEED: []})  # form -> [ExtraHits]
+
+    def add(self, dp: DocPenalty, st, ps, events) -> None:
+        """One document: its DocPenalty, base HeadStats, PairedStats (or None) and its events."""
+        off = dp.unchanged
+        self.unchanged += int(off.sum())
+        self.pen_rows += int((~off).sum())
+        if off.any():
+            self.max_abs = max(self.max_abs, float(np.abs(dp.alone.logp_target[off] - st.logp_target[off]).max()))
+        for ev in events:
+            a = self.acc.setdefault(ev.phrase, {"base": [], "penalty": [], "bundle": [], "stacked": []})
+            a["base"].append(math.exp(st.logp_target[ev.pos]))
+            a["penalty"].append(math.exp(dp.alone.logp_target[ev.pos]))
+            if ps is not None:
+                a["bundle"].append(math.exp(ps.new.logp_target[ev.pos]))
+                a["stacked"].append(math.exp(dp.stacked.logp_target[ev.pos]))
+        for form in self.extra:
+            self.extra[form].append(dp.extra[form][0])
+
+    def residual(self) -> dict:
+        return {ph: {"n": len(v["base"]), **{k: (float(np.mean(x)) if x else None) for k, x in v.items()}}
+                for ph, v in self.acc.items()}
+
+    def extra_hits(self) -> dict:
+        return {f: {"positions": sum(e.positions for e in v), "pairs": sum(e.pairs for e in v),
+                    "target_hit": sum(e.target_hit for e in v)} for f, v in self.extra.items()}
+
+
 def run_penalty(args: PenaltyArgs) -> PenaltyResult:
     """Build the penalty from the experiment's phrases, export it as JSON, and simulate it exactly on the
-    events of `args.sets` (alone, and stacked on `args.bundle`), with the cheap forms' extra hits."""
+    events of `args.sets` (alone, and stacked on `args.bundle`), with the cheap forms' extra hits.
+
+    weights + sets + spec (`_penalty_plan`) -> each document scored and penalised -> spec JSON + result."""
+    from l47.dumps import read_dump
+    from l47.tail.forward import score_dump, score_pair
+    from l47.model.weights import check_dump_dims
+
+    w, vocab, rep, spec, W_new = _penalty_plan(args)
+    finals = list(spec.finals)
+    topk = max(5, len(finals) + 2)
+    tally = _PenaltyTally()
+    for dr in rep.docs:
+        if dr.set not in args.sets or dr.refused:
+            continue
+        d = read_dump(dr.path)
+        check_dump_dims(w, d.meta, dr.path)
+        if W_new is None:
+            st, ps = score_dump(w, d, token_ids={FINALS_KEY: finals}, topk=topk), None
+        else:
+            ps = score_pair(w, d, W_new, token_ids={FINALS_KEY: finals}, topk=topk)
+            st = ps.base
+        dp = penalise_document(spec, d.tokens, st, ps, args.form)
+        tally.add(dp, st, ps, [ev for ev in rep.events if ev.doc_sha256 == dr.sha256])
+    write_text_atomic(args.out, spec.to_json(vocab.decode))
+    return PenaltyResult(str(args.out), len(spec.rules), spec.bias, spec.form, tally.residual(), tally.unchanged,
+                         tally.max_abs, tally.pen_rows, tally.extra_hits())
+
+
+def _penalty_plan(args: PenaltyArgs):
+    """The base weights, vocabulary, sets report (blind documents never touched; every scored document in the
+    ledger first), the spec from its phrases and the bundle's weight -> (w, vocab, report, spec, W_new | None)."""
     from dataclasses import replace
 
-    from l47.dumps import read_dump
-    from l47.evals.metrics import load_vocab, phrase_tuples_of
     from l47.data.experiment import load_experiment
-    from l47.tail.forward import score_dump, score_pair
-    from l47.model.weights import edited_weight
+    from l47.data.ledger import Ledger
     from l47.data.sets import build_sets
-    from l47.model.weights import check_dump_dims, load_tail_weights
+    from l47.evals.metrics import load_vocab, phrase_tuples_of
+    from l47.model.weights import edited_weight, load_tail_weights
 
     exp = load_experiment(args.experiment)
     base = args.base or exp.model
@@ -360,56 +425,14 @@ def run_penalty(args: PenaltyArgs) -> PenaltyResult:
         raise L47Error("penalty", "form", f"one of {FORMS}", repr(args.form))
     w = load_tail_weights(base, policy=args.policy or exp.policy, device=args.device)
     vocab = load_vocab(exp, base, w.V)
-    from l47.data.ledger import Ledger
-
     ledger = Ledger.open(args.ledger, w.model_sha256)  # every scored document recorded before it is scored
     # the experiment's own selection (split included); blind documents are never touched here
     rep = build_sets(replace(exp, sets={k: v for k, v in exp.sets.items() if k != "blind"}), w, vocab=vocab,
                      device=args.device, ledger=ledger, command="penalty")
-    pts = phrase_tuples_of(rep)
-    spec = make_spec(pts, args.bias, args.form, w.model_sha256, vocab.name)
+    spec = make_spec(phrase_tuples_of(rep), args.bias, args.form, w.model_sha256, vocab.name)
     if not spec.rules:
         raise L47Error(args.experiment, "phrases", "at least one multi-token banned tuple", "none")
     W_new, bsha = edited_weight(w, args.bundle, args.device) if args.bundle is not None else (None, None)
     if bsha is not None:  # scored against the bundle too
         ledger.append([dr.sha256 for dr in rep.docs if dr.set in args.sets and not dr.refused], bsha, "penalty")
-    finals = list(spec.finals)
-    topk = max(5, len(finals) + 2)
-    acc: dict[str, dict[str, list]] = {}
-    unchanged, pen_rows, max_abs = 0, 0, 0.0
-    extra: dict[str, list[ExtraHits]] = {FORM_LAST: [], FORM_SEED: []}
-    for dr in rep.docs:
-        if dr.set not in args.sets or dr.refused:
-            continue
-        d = read_dump(dr.path)
-        check_dump_dims(w, d.meta, dr.path)
-        if W_new is None:
-            st, ps = score_dump(w, d, token_ids={"finals": finals}, topk=topk), None
-        else:
-            ps = score_pair(w, d, W_new, token_ids={"finals": finals}, topk=topk)
-            st = ps.base
-        dp = penalise_document(spec, d.tokens, st, ps, args.form)
-        off = dp.unchanged
-        unchanged += int(off.sum())
-        pen_rows += int((~off).sum())
-        if off.any():
-            max_abs = max(max_abs, float(np.abs(dp.alone.logp_target[off] - st.logp_target[off]).max()))
-        for ev in rep.events:
-            if ev.doc_sha256 != dr.sha256:
-                continue
-            a = acc.setdefault(ev.phrase, {"base": [], "penalty": [], "bundle": [], "stacked": []})
-            a["base"].append(math.exp(st.logp_target[ev.pos]))
-            a["penalty"].append(math.exp(dp.alone.logp_target[ev.pos]))
-            if ps is not None:
-                a["bundle"].append(math.exp(ps.new.logp_target[ev.pos]))
-                a["stacked"].append(math.exp(dp.stacked.logp_target[ev.pos]))
-        for form in extra:
-            extra[form].append(dp.extra[form][0])
-    residual = {ph: {"n": len(v["base"]), **{k: (float(np.mean(x)) if x else None) for k, x in v.items()}}
-                for ph, v in acc.items()}
-    eh = {f: {"positions": sum(e.positions for e in v), "pairs": sum(e.pairs for e in v),
-              "target_hit": sum(e.target_hit for e in v)} for f, v in extra.items()}
-    write_text_atomic(args.out, spec.to_json(vocab.decode))
-    res = PenaltyResult(str(args.out), len(spec.rules), spec.bias, spec.form, residual, unchanged, max_abs, pen_rows,
-                        eh)
-    return res
+    return w, vocab, rep, spec, W_new
