@@ -269,7 +269,6 @@ class DemoFolder:
 def run_demo(args: DemoArgs, console) -> int:
     """dump -> sets -> solve -> audit (dev) -> blind sign-off; then the negative control. Exit code 0 when the
     solved bundle passes every bar, the blind sign-off passes and the negative control fails; 1 otherwise."""
-    from l47.app.dumping import GenerateOptions, run_dump
     from l47.errors import L47Error
 
     out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
@@ -288,91 +287,140 @@ def run_demo(args: DemoArgs, console) -> int:
         own.record()
 
 
-def _run_demo(args: DemoArgs, console, out: Path) -> int:
-    from l47.app.dumping import GenerateOptions, run_dump
-    from l47.app.audit_view import audit_and_print
-    from l47.evals.audit import AuditArgs
-    from l47.app.sets_view import render_sets_table
-    from l47.data.sets import build_sets, write_sets_json
-    from l47.app.solve_report import solve_and_print
-    from l47.solvers.solve import SolveArgs
-    from l47.model.vocab import vocab_for_model
+@dataclass(frozen=True)
+class _DemoRun:
+    """What every step of one demo run shares: its arguments, console, output folder, model and ledger."""
 
-    model = Path(args.model).resolve()
-    inputs = out / "inputs"
-    dirs: dict[str, list[Path]] = {}
+    args: DemoArgs
+    console: object
+    out: Path
+    model: Path  # resolved: the experiment file lists absolute paths
+    ledger: object  # l47.data.ledger.Ledger of the demo model
+
+
+def _run_demo(args: DemoArgs, console, out: Path) -> int:
+    """1. dump -> 2. sets -> 3. solve -> 4./5. audit and blind sign-off -> 6. negative control -> result."""
     from l47.data.ledger import Ledger
-    from l47.dumps.select import phrases_to_tuples
     from l47.model.gguf_io import open_gguf
 
-    ledger = Ledger.open(args.ledger, open_gguf(model).sha256())
+    model = Path(args.model).resolve()
+    run = _DemoRun(args, console, out, model, Ledger.open(args.ledger, open_gguf(model).sha256()))
+    dirs, blind_how = _dump_inputs(run)
+    exp = write_experiment(out, model, dirs)
+    report, sets_json = _sets(run, exp)
+    bundle = _solve(run, exp, sets_json)
+    dev, bl = _audits(run, exp, bundle, dirs)
+    control_ok = _negative_control(run, exp, report) if args.control else None
+    return _result(run, bundle, dev, bl, control_ok, {**blind_how, "doc": str(dirs["blind"][0])})
+
+
+def _dump_inputs(run: _DemoRun) -> tuple[dict[str, list[Path]], dict]:
+    """Step 1: the model's generations, the shipped documents, the held-out chats and a fresh blind chat ->
+    ({set kind: dump paths}, how the blind chat was chosen)."""
+    from l47.app.dumping import GenerateOptions, run_dump
+    from l47.dumps.select import phrases_to_tuples
+    from l47.model.vocab import vocab_for_model
+
+    args, console, out, model = run.args, run.console, run.out, run.model
+
+    def dumped(s) -> list[Path]:
+        return [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
 
     console.rule("[bold]1. dump (hf engine)")
-    prompts = _subset_jsonl(DATA / "prompts.jsonl", inputs / "prompts.jsonl", args.prompts)
+    dirs: dict[str, list[Path]] = {}
+    prompts = _subset_jsonl(DATA / "prompts.jsonl", out / "inputs" / "prompts.jsonl", args.prompts)
     gen = GenerateOptions(max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=0.7, top_p=0.9, top_k=40)
-    s = run_dump("hf", model, prompts, out / "dumps" / "generated", generate=gen, console=console)
-    dirs["generated"] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
+    dirs["generated"] = dumped(run_dump("hf", model, prompts, out / "dumps" / "generated", generate=gen,
+                                        console=console))
     for k in INPUTS:
         if k == "pool_chat" and not (args.pool_chat and (DATA / FILES[k]).is_file()):
             continue
-        s = run_dump("hf", model, DATA / FILES[k], out / "dumps" / k, console=console)
-        dirs[k] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
+        dirs[k] = dumped(run_dump("hf", model, DATA / FILES[k], out / "dumps" / k, console=console))
     chat_gen = replace(gen, max_new_tokens=CHAT_TOKENS, think=True)
-    s = run_dump("hf", model, DATA / HELDOUT_PROMPTS, out / "dumps" / "heldout_chat", generate=chat_gen,
-                 console=console)
-    dirs["heldout_chat"] = [Path(r.path) for r in s.results if r.path and r.status in ("written", "skipped")]
+    dirs["heldout_chat"] = dumped(run_dump("hf", model, DATA / HELDOUT_PROMPTS, out / "dumps" / "heldout_chat",
+                                           generate=chat_gen, console=console))
     pts, _ = phrases_to_tuples(PHRASES, vocab_for_model(model))
-    blind_doc, blind_how = fresh_blind_chat(model, out, ledger, pts, args.seed + 1000, console)
+    blind_doc, blind_how = fresh_blind_chat(model, out, run.ledger, pts, args.seed + 1000, console)
     dirs["blind"] = [blind_doc]
     console.print(f"blind chat: prompt {blind_how['prompt']}, seed {blind_how['seed']} (never scored; "
                   f"{len(blind_how['skipped'])} seed(s) skipped)", highlight=False)
-    exp = write_experiment(out, model, dirs)
+    return dirs, blind_how
 
-    console.rule("[bold]2. sets")
-    report = build_sets(exp, ledger=ledger)
+
+def _sets(run: _DemoRun, exp: Path):
+    """Step 2: the sets report (printed, written to sets.json) -> (report, its path)."""
+    from l47.app.sets_view import render_sets_table
+    from l47.data.sets import build_sets, write_sets_json
+
+    run.console.rule("[bold]2. sets")
+    report = build_sets(exp, ledger=run.ledger)
     for r in render_sets_table(report):
-        console.print(r)
-    sets_json = write_sets_json(report, out / "sets.json")
+        run.console.print(r)
+    return report, write_sets_json(report, run.out / "sets.json")
 
-    console.rule("[bold]3. solve (WFLD)")
-    bundle = out / "bundle.gguf"
-    solve_and_print(SolveArgs(exp, "wfld", bundle, ledger=ledger.path, sets_json=sets_json), console)
 
-    console.rule("[bold]4. audit")
-    dev = audit_and_print(AuditArgs(bundle, model, exp, out / "audit", ledger=ledger.path), console)
-    blind_ok, bl = None, None
+def _solve(run: _DemoRun, exp: Path, sets_json: Path) -> Path:
+    """Step 3: WFLD -> bundle.gguf and its solve record."""
+    from l47.app.solve_report import solve_and_print
+    from l47.solvers.solve import SolveArgs
+
+    run.console.rule("[bold]3. solve (WFLD)")
+    bundle = run.out / "bundle.gguf"
+    solve_and_print(SolveArgs(exp, "wfld", bundle, ledger=run.ledger.path, sets_json=sets_json), run.console)
+    return bundle
+
+
+def _audits(run: _DemoRun, exp: Path, bundle: Path, dirs: dict[str, list[Path]]):
+    """Steps 4 and 5: the dev audit, then the blind sign-off on the fresh blind chat -> (dev, blind or None)."""
+    from l47.app.audit_view import audit_and_print
+    from l47.evals.audit import AuditArgs
+
+    run.console.rule("[bold]4. audit")
+    dev = audit_and_print(AuditArgs(bundle, run.model, exp, run.out / "audit", ledger=run.ledger.path), run.console)
+    bl = None
     if dirs["blind"]:
-        console.rule("[bold]5. blind sign-off")
-        bl = audit_and_print(AuditArgs(bundle, model, exp, out / "audit-blind", blind=dirs["blind"][0],
-                                       dev_report=Path(dev.out_dir) / "report.json", ledger=ledger.path), console)
-        blind_ok = bl.passed
+        run.console.rule("[bold]5. blind sign-off")
+        bl = audit_and_print(AuditArgs(bundle, run.model, exp, run.out / "audit-blind", blind=dirs["blind"][0],
+                                       dev_report=Path(dev.out_dir) / "report.json", ledger=run.ledger.path),
+                             run.console)
+    return dev, bl
 
-    control_ok = None
-    if args.control:
-        console.rule("[bold]6. negative control: a bundle that suppresses ' than' everywhere")
-        vocab = vocab_for_model(model)
-        word = vocab.encode(" than")[0]
-        from l47.dumps import read_dump
 
-        by_path = {d.sha256: d.path for d in report.docs}
-        ctx = [(read_dump(by_path[c.doc_sha256]), c.pos) for c in report.collateral
-               if c.token_id == word and c.set == "collateral_anchor"]
-        cb = suppress_word_bundle(model, out / "control" / "bundle.gguf", word, ctx)
-        control_record(cb, model, report, word)
-        ctl = audit_and_print(AuditArgs(cb, model, exp, out / "control" / "audit", ledger=ledger.path), console)
-        control_ok = not ctl.passed
-        failed = [b.name for b in ctl.bars if not b.passed]
-        console.print(f"negative control verdict: {'FAIL (as it must)' if control_ok else 'PASS — the audit missed it!'}"
-                      f"; failed bars: {', '.join(failed)}", highlight=False)
+def _negative_control(run: _DemoRun, exp: Path, report) -> bool:
+    """Step 6: a bundle that suppresses ' than' everywhere, through the same audit -> True when it fails."""
+    from l47.app.audit_view import audit_and_print
+    from l47.dumps import read_dump
+    from l47.evals.audit import AuditArgs
+    from l47.model.vocab import vocab_for_model
 
-    summary = {"bundle": str(bundle), "report": str(Path(dev.out_dir) / "report.md"), "passed": dev.passed,
-               "blind_passed": blind_ok, "control_failed": control_ok, "blind": {**blind_how, "doc": str(blind_doc)},
-               "ledger": str(ledger.path),
-               "failed_bars": [b.name for b in dev.bars if not b.passed],
-               "blind_failed_bars": [] if bl is None else [b.name for b in bl.bars if not b.passed]}
+    console, model = run.console, run.model
+    console.rule("[bold]6. negative control: a bundle that suppresses ' than' everywhere")
+    word = vocab_for_model(model).encode(" than")[0]
+    by_path = {d.sha256: d.path for d in report.docs}
+    ctx = [(read_dump(by_path[c.doc_sha256]), c.pos) for c in report.collateral
+           if c.token_id == word and c.set == "collateral_anchor"]
+    cb = suppress_word_bundle(model, run.out / "control" / "bundle.gguf", word, ctx)
+    control_record(cb, model, report, word)
+    ctl = audit_and_print(AuditArgs(cb, model, exp, run.out / "control" / "audit", ledger=run.ledger.path), console)
+    control_ok = not ctl.passed
+    failed = [b.name for b in ctl.bars if not b.passed]
+    console.print(f"negative control verdict: {'FAIL (as it must)' if control_ok else 'PASS — the audit missed it!'}"
+                  f"; failed bars: {', '.join(failed)}", highlight=False)
+    return control_ok
+
+
+def _result(run: _DemoRun, bundle: Path, dev, bl, control_ok: bool | None, blind: dict) -> int:
+    """demo_summary.json and the verdict lines -> exit code (0: dev and blind pass, the control fails)."""
     from l47.fileio import write_text_atomic
 
-    write_text_atomic(out / "demo_summary.json", json.dumps(summary, indent=1))
+    console = run.console
+    blind_ok = None if bl is None else bl.passed
+    summary = {"bundle": str(bundle), "report": str(Path(dev.out_dir) / "report.md"), "passed": dev.passed,
+               "blind_passed": blind_ok, "control_failed": control_ok, "blind": blind,
+               "ledger": str(run.ledger.path),
+               "failed_bars": [b.name for b in dev.bars if not b.passed],
+               "blind_failed_bars": [] if bl is None else [b.name for b in bl.bars if not b.passed]}
+    write_text_atomic(run.out / "demo_summary.json", json.dumps(summary, indent=1))
     console.rule("[bold]result")
     console.print(f"audit: {'PASS' if dev.passed else 'FAIL'}; blind sign-off: "
                   f"{'—' if blind_ok is None else ('PASS' if blind_ok else 'FAIL')}; negative control: "
