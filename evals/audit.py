@@ -287,26 +287,32 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
 # the solve record: (a), (b), overlap, claims
 
 
+def _experiment_overlaps(overlaps) -> list[dict]:
+    """The experiment's own copies and near-duplicates (by content; l47.data.sets): a training document and a
+    scored one that are one document."""
+    from l47.data.sets import is_scored_set
+
+    out = []
+    for o in overlaps:
+        sides = {o.set, o.with_set}
+        if any(is_scored_set(x) for x in sides) and sides - {x for x in sides if is_scored_set(x)}:
+            out.append({"doc_sha256": o.doc_sha256, "scored_set": o.set if is_scored_set(o.set) else o.with_set,
+                        "in": f"experiment set {o.with_set if is_scored_set(o.set) else o.set} ({o.kind}"
+                              + (f", {o.window} content tokens shared" if o.kind == "window" else "") + ")",
+                        "path": o.path, "with_path": o.with_path})
+    return out
+
+
 def record_figures(ctx: "AuditContext", scored_shas: dict[str, str], solver_shas: dict[str, str]) -> dict:
     """Bars (a), (b) and (c)'s disjointness against the solve record: every slop position prefix-exact and an
     event, the training documents natural, no record document among the scored ones."""
     from l47.data.record import TERM_BACKGROUND, TERM_SLOP
-    from l47.data.sets import is_scored_set
 
     record, record_path, by_sha, pts, vocab = ctx.record, ctx.record_path, ctx.by_sha, ctx.pts, ctx.vocab
     thr, overlaps = ctx.th.non_event_p, ctx.sets_rep.overlaps
     doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
                 for dr in ctx.sets_rep.docs}
-    overlap = []
-    # the experiment's own copies and near-duplicates (by content; l47.data.sets): a training document and a
-    # scored one that are one document
-    for o in overlaps:
-        sides = {o.set, o.with_set}
-        if any(is_scored_set(x) for x in sides) and sides - {x for x in sides if is_scored_set(x)}:
-            overlap.append({"doc_sha256": o.doc_sha256, "scored_set": o.set if is_scored_set(o.set) else o.with_set,
-                            "in": f"experiment set {o.with_set if is_scored_set(o.set) else o.set} ({o.kind}"
-                                  + (f", {o.window} content tokens shared" if o.kind == "window" else "") + ")",
-                            "path": o.path, "with_path": o.with_path})
+    overlap = _experiment_overlaps(overlaps)
     if record is None:
         return {"present": False, "why": f"no solve record at {record_path}", "overlap": overlap or None}
     slop = [t for t in record.touched if t.term == TERM_SLOP]
