@@ -8,7 +8,7 @@ What it writes
     <out>/train.jsonl            training documents {"id", "kind", "text"}: `text` is the rendered document
                                  (chats in ChatML, see `render_chat`); NOT committed (~12 MB; regenerated)
     <out>/manifest.json          counts, phrase statistics and the sha256 of train.jsonl
-    l47/demo_data/prompts.jsonl        user prompts that elicit banned phrases (system + user; for generation)
+    (l47/demo_data/prompts.jsonl: scripts/make_demo_prompts.py, from this file's prompt stream)
     l47/demo_data/heldout_chat.jsonl   hand-written chats, >= 3 uses of each banned phrase in assistant turns
     l47/demo_data/collateral.jsonl     natural text, ordinary uses of the six final words (>= 20 each)
     l47/demo_data/background.jsonl     plain and chat-formatted text without banned phrases
@@ -939,16 +939,8 @@ def build_eval_docs(seed: int) -> dict[str, list[dict]]:
     r = lambda name: random.Random(f"{seed}:{name}")  # noqa: E731  independent, named streams
     out: dict[str, list[dict]] = {}
 
-    rp = r("prompts")
-    seen: set[str] = set()
-    prompts = []
-    while len(prompts) < 48:
-        m = gen_prompt(rp)
-        if m[1]["content"] in seen:
-            continue
-        seen.add(m[1]["content"])
-        prompts.append({"id": f"prompt-{len(prompts):03d}", "messages": m})
-    out["prompts"] = prompts
+    # prompts.jsonl: scripts/make_demo_prompts.py (the "prompts" stream, kept where the model's answers cover
+    # every phrase)
 
     out["heldout_chat"] = [{"id": f"heldout-{i:02d}", "messages": m} for i, m in enumerate(HELDOUT_CHATS)]
     out["blind_chat"] = [{"id": "blind-00", "messages": BLIND_CHAT}]
