@@ -261,6 +261,8 @@ class Problem:
     anchors: Batch | None  # collateral anchors, then turn ends
     background: Batch
     dev: Batch | None  # dev events (FTPO's best-step choice only)
+    near: Batch | None = None  # near misses: prefix rows whose target is not the banned final (FTPO's tether)
+    near_banned: torch.Tensor | None = None  # [N] the banned final token at each near miss
 
 
 def build_problem(plan: SolvePlan, sel: Selection) -> Problem:
@@ -359,12 +361,25 @@ def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress)
             log(f"warning: WFLD ended with a max constraint violation of {res.violation:.3g} nats > tolerance "
                 f"{res.tolerance:g} ({res.stop_reason})")
         return Solved(res.dW, res.summary(), res.predicted_bg_kl, conv)
-    dev = (prob.dev, torch.as_tensor([e.final for e in sel.dev])) if prob.dev is not None else None
-    words = [c.token_id for c in sel.anchors] + [sel.im_end] * len(sel.turn_ends)
-    step = None if progress is None else (lambda r: progress({**r, "steps": cfg.ftpo.steps}))
-    res = train_ftpo(w, prob.terms, prob.events, prob.background, prob.anchors,
-                     words if prob.anchors is not None else None, dev, cfg.ftpo, progress=step)
-    return Solved(res.dW, res.summary())
+    res = train_ftpo(w, ftpo_problem(plan, sel, prob), cfg.ftpo, progress=progress)
+    conv = res.convergence(cfg.target_residual)
+    return Solved(res.dW, {**res.summary(), "warnings": res.notes}, None, conv)
+
+
+def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):
+    """The trainer's problem: soft anchors with tolerances from the bars ((d) per word, (f) at turn ends), dev
+    events with their phrases, the target and budget, and the re-quantisation map (candidates judged as shipped)."""
+    from l47.solvers.ftpo import FtpoProblem
+
+    th = plan.exp.thresholds
+    groups = [c.word for c in sel.anchors] + [names.IM_END] * len(sel.turn_ends)
+    tols = [abs(th.collateral_word_mean)] * len(sel.anchors) + [abs(th.im_end_dlogp)] * len(sel.turn_ends)
+    dev_final = torch.as_tensor([e.final for e in sel.dev], device=plan.w.device) if prob.dev is not None else None
+    return FtpoProblem(events=prob.events, terms=prob.terms, phrase=[e.phrase for e in sel.train],
+                       background=prob.background, target_residual=plan.cfg.target_residual,
+                       kl_budget=kl_budget(plan), anchors=prob.anchors, anchor_group=groups, anchor_tol=tols,
+                       near=prob.near, near_banned=prob.near_banned, dev=prob.dev, dev_final=dev_final,
+                       dev_phrase=[e.phrase for e in sel.dev], shipped=lambda dW: requantize(plan, dW).W_q)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -512,13 +527,18 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
     per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths."""
     log = log or (lambda _msg: None)
     plan = plan_solve(args)
-    sel = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
-    sel, choice = fit_anchors(plan, sel, log)
+    every = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
+    sel, choice = fit_anchors(plan, every, log)
     prob = build_problem(plan, sel)
     log(describe(sel, prob))
     feas = check_feasible(plan, sel, prob)
     for line in describe_feasibility(feas):
         log(line)
+    if plan.cfg.method == "ftpo" and len(every.anchors) > len(sel.anchors):
+        # soft anchors use no direction of f: FTPO keeps every one (the plan above is WFLD's exact-anchor bound)
+        sel, prob = every, dataclasses.replace(prob, anchors=plan.dumps.batch(
+            [(c.doc_sha256, c.pos) for c in every.anchors] + every.turn_ends))
+        log(f"ftpo: every collateral anchor kept as a soft anchor ({len(every.anchors)})")
     solved = solve_problem(plan, sel, prob, log, progress)
     from l47.model.weights import check_finite
 

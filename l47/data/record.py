@@ -36,7 +36,8 @@ STOP_CONVERGED = "converged"  # every constraint within its tolerance
 STOP_ITERATION_CAP = "iteration_cap"  # the iteration / step budget ran out first
 STOP_LINE_SEARCH = "line_search_failed"  # no backtracking step improved the merit function
 STOP_BUDGET = "budget"  # the ‖ΔW‖ / background-KL budget was reached
-STOP_REASONS = (STOP_CONVERGED, STOP_ITERATION_CAP, STOP_LINE_SEARCH, STOP_BUDGET)
+STOP_TIME = "time_budget"  # the solver's time budget ran out first (the best candidate so far is kept)
+STOP_REASONS = (STOP_CONVERGED, STOP_ITERATION_CAP, STOP_LINE_SEARCH, STOP_BUDGET, STOP_TIME)
 
 
 @dataclass(frozen=True)
