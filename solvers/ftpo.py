@@ -7,7 +7,7 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
            + λ · mean_{b ∈ background} KL(p⁰_b ‖ p_b) / budget                              exact, full vocabulary
            + λ_cond · mean_{e ∈ events ∪ near misses} KL(q⁰_e ‖ q_e) / budget               only r's mass moves
            + λ_coll · mean_group mean_{a ∈ group} (min(Δℓ_a, 0) / tol_group)²                soft anchors
-           + λ_special · mean_e Σ_s max(Δℓ_s, 0)                                            no special-token rise
+           + λ_special · mean_e max(Δ Σ_s p_s, 0) / tol_special                               no special-token rise
            + λ_ridge · ‖ΔW‖² / ‖W‖²
   o_e = z_r − log Σ_{v ∈ S_e} exp z_v, the log-odds of r against S_e (the base top-K without r and the special
   tokens): it never saturates (∂o/∂z_r = 1 where ∂ℓ_r/∂z_r = 1 − p_r ≈ 0 at a near-certain token), and as
@@ -17,7 +17,9 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
   budget = the solve's mean background KL budget; q = p restricted to the base top-K at the row without the
   banned token(s) and the special tokens, renormalised (at a near miss the natural continuation keeps its share,
   at an event the freed mass spreads as the base spreads it); groups are the collateral words, tol_word = |bar
-  (d)'s word mean|, and the real turn ends, tol = |bar (f)'s mean Δlog p(<|im_end|>)|.
+  (d)'s word mean|, and the real turn ends, tol = |bar (f)'s mean Δlog p(<|im_end|>)|; tol_special is bar (f)'s
+  allowed rise of Σ p(special) at slop positions (a hinge on the log-probs instead held the special tokens'
+  SHARE of the freed mass at zero: a near-certain token could then not lose its mass at all).
   The "margin" objective (expert option) replaces the target hinge by the seed's preference term
   τ·softplus((Δ(ℓ_r − ℓ_c) + margin·scale_e)/τ) against chosen natural alternatives c.
 
@@ -94,6 +96,7 @@ class FtpoProblem:
     dev: Batch | None = None  # dev events
     dev_final: torch.Tensor | None = None  # [D]
     dev_phrase: list[str] = field(default_factory=list)
+    special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
 
 
@@ -222,6 +225,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         base = event_logps(mix0_ev, w, terms)
         p0_ev = base["rejected"].double().exp().cpu().numpy()  # [E]
         need = torch.as_tensor(needed_drop(p0_ev, cfg.aim * t), device=dev_)  # [E] f64
+        mass0_special = base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
         mix0_bg = batch_mix(pb.background, w)
         dev_p0 = None
         if pb.dev is not None:
@@ -318,8 +322,8 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         if lp0_an is not None:
             dlp = logp_at(batch_mix(pb.anchors, w, dW=dW), w, pb.anchors.target) - lp0_an
             coll = per_group_mean(soft_anchor(dlp, an_tol), an_group)
-        special_t = (F.relu(lp["special"] - base["special"]).sum(1).mean() if lp["special"].numel()
-                     else mix.new_zeros(()))
+        special_t = (F.relu(lp["special"].exp().sum(1) - mass0_special).mean() / pb.special_tol
+                     if lp["special"].numel() else mix.new_zeros(()))
         loss = (pref + lam * kl_term + cfg.lambda_cond * cond.mean().float() / budget + cfg.lambda_coll * coll + cfg.lambda_special * special_t
                 + cfg.lambda_ridge * dW.pow(2).sum() / W_sq)
         loss.backward()

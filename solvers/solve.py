@@ -379,7 +379,7 @@ def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):
                        background=prob.background, target_residual=plan.cfg.target_residual,
                        kl_budget=kl_budget(plan), anchors=prob.anchors, anchor_group=groups, anchor_tol=tols,
                        near=prob.near, near_banned=prob.near_banned, dev=prob.dev, dev_final=dev_final,
-                       dev_phrase=[e.phrase for e in sel.dev], shipped=lambda dW: requantize(plan, dW).W_q)
+                       dev_phrase=[e.phrase for e in sel.dev], special_tol=th.special_rise_tol, shipped=lambda dW: requantize(plan, dW).W_q)
 
 
 # ----------------------------------------------------------------------------------------------------------
