@@ -5,7 +5,11 @@
                             (evenly spread), plus — with `protect_turn_ends` — the real turn ends (<|im_end|>
                             targets) of the solver's chats (background, train, dev), protected exactly
     background              every `stride`-th position of the accepted background documents, the stride chosen
-                            so that at most `max_background` positions are used
+                            so that at most `max_background` positions are used, prefix rows left out (where
+                            moving mass off the banned word is the intended effect: l47.dumps.select.prefix_rows,
+                            the definition bar (e) reports apart)
+    near misses             prefix rows of the solver's documents (background, train, dev) whose target is not the
+                            phrase's final token: only the banned token's mass may move there (FTPO's tether)
 
 Every list is ordered by document CONTENT (the sha256 of its token ids, `DocReport.content_key`) then position,
 not by file hash: the same documents dumped into another folder (other metadata, other file hashes) give the
@@ -40,6 +44,7 @@ class Selection:
     stride: int
     special: list[int]  # special-token ids (sorted)
     im_end: int | None  # the turn-end token id (None: the vocabulary has none)
+    near: list[tuple[str, int, int]] = ()  # (doc sha256, row, banned final) of near misses, content order
 
 
 class ContentOrder:
@@ -69,6 +74,36 @@ def background_positions(bg_docs: list, max_background: int) -> tuple[list[tuple
     total = sum(d.T for d in bg_docs)
     stride = max(1, int(np.ceil(total / max_background)))
     return [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)], stride, total
+
+
+def phrase_tuples(report) -> list:
+    """PhraseTuples (l47.dumps.select) of a SetsReport's phrases."""
+    from l47.dumps.select import PhraseTuples
+
+    return [PhraseTuples(p["phrase"], tuple(tuple(int(i) for i in t) for t in p["tuples"]),
+                         tuple(p["variants"]), float(p.get("margin_scale", 1.0))) for p in report.phrases]
+
+
+def near_miss_rows(docs: list, pts: list, tokens_of) -> list[tuple[str, int, int]]:
+    """(doc, row, banned final) of every prefix row (l47.dumps.select.prefix_rows) whose target is not one of
+    its phrase's final tokens."""
+    from l47.dumps.select import prefix_rows
+
+    out = []
+    for d in docs:
+        tok = np.asarray(tokens_of(d.sha256))
+        for pt in pts:
+            rows = np.nonzero(prefix_rows(tok, [pt]) & ~np.isin(tok[1:], pt.finals))[0]
+            out += [(d.sha256, int(t), int(pt.finals[0])) for t in rows]
+    return sorted(set(out))
+
+
+def without_prefix_rows(pairs: list[tuple[str, int]], docs: list, pts: list, tokens_of) -> list[tuple[str, int]]:
+    """The (doc, row) pairs that are not prefix rows of any phrase."""
+    from l47.dumps.select import prefix_rows
+
+    pre = {d.sha256: prefix_rows(np.asarray(tokens_of(d.sha256)), pts) for d in docs}
+    return [(s, t) for s, t in pairs if not pre[s][t]]
 
 
 def turn_end_rows(docs: list, im_end: int, tokens_of) -> list[tuple[str, int]]:
@@ -101,11 +136,16 @@ def select_positions(report, cfg, where: str | Path, tokens_of) -> Selection:
         raise L47Error(where, "sets.background", "at least one accepted background document (plain and chat)",
                        "none")
     bg, stride, total = background_positions(bg_docs, cfg.max_background)
+    pts = phrase_tuples(report)
+    bg = without_prefix_rows(bg, bg_docs, pts, tokens_of)
     im_end = report.special_ids.get(names.IM_END)
     turn_ends = []
     if cfg.protect_turn_ends and im_end is not None:
         own = by_order([d for d in accepted if d.set in ("train", "dev")], lambda d: d.sha256, lambda d: 0)
         turn_ends = turn_end_rows(bg_docs + own, int(im_end), tokens_of)
     special = sorted(set(int(v) for v in report.special_ids.values()))
+    solver_docs = bg_docs + by_order([d for d in accepted if d.set in ("train", "dev")], lambda d: d.sha256,
+                                     lambda d: 0)
+    near = sorted(near_miss_rows(solver_docs, pts, tokens_of), key=lambda x: order(x[0], x[1]))
     return Selection(train, dev, anchors, turn_ends, bg, len(bg_docs), total, stride, special,
-                     None if im_end is None else int(im_end))
+                     None if im_end is None else int(im_end), near)

@@ -277,11 +277,15 @@ def build_problem(plan: SolvePlan, sel: Selection) -> Problem:
                        scale=torch.as_tensor([scale_of.get(e.phrase, 1.0) for e in sel.train], device=w.device))
     an = dumps.batch([(c.doc_sha256, c.pos) for c in sel.anchors] + sel.turn_ends)
     dev = dumps.batch([(e.doc_sha256, e.pos) for e in sel.dev]) if sel.dev and cfg.method == "ftpo" else None
-    return Problem(ev, terms, an, dumps.batch(sel.background), dev)
+    near = near_banned = None
+    if sel.near and cfg.method == "ftpo":
+        near = dumps.batch([(s, r) for s, r, _ in sel.near])
+        near_banned = torch.as_tensor([b for _, _, b in sel.near], device=w.device)
+    return Problem(ev, terms, an, dumps.batch(sel.background), dev, near, near_banned)
 
 
 def describe(sel: Selection, prob: Problem) -> str:
-    return (f"solve: {len(sel.train)} train events, {len(sel.dev)} dev events, "
+    return (f"solve: {len(sel.train)} train events, {len(sel.dev)} dev events, {len(sel.near)} near misses, "
             f"{0 if prob.anchors is None else prob.anchors.P} anchors ({len(sel.turn_ends)} of them turn ends of "
             f"the solver's chats), {prob.background.P} background positions (every {sel.stride}th of "
             f"{sel.background_total}) from {sel.background_docs} documents")
@@ -471,6 +475,7 @@ def touched_terms(sel: Selection, prob: Problem, method: str) -> list[rec.Touche
     if method == "ftpo":
         t += [rec.Touched(ev.doc[i], ev.pos[i], int(c), rec.TERM_TETHER) for i in range(ev.P)
               for c in prob.terms.chosen[i].tolist()]
+        t += [rec.Touched(s, r, b, rec.TERM_TETHER) for s, r, b in sel.near]
     t += [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_ANCHOR, c.word, c.p_base) for c in sel.anchors]
     t += [rec.Touched(s, r, int(sel.im_end), rec.TERM_ANCHOR, names.IM_END) for s, r in sel.turn_ends]
     t += [rec.Touched(s, p, -1, rec.TERM_BACKGROUND) for s, p in sel.background]
