@@ -365,7 +365,8 @@ def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress)
             log(f"warning: WFLD ended with a max constraint violation of {res.violation:.3g} nats > tolerance "
                 f"{res.tolerance:g} ({res.stop_reason})")
         return Solved(res.dW, res.summary(), res.predicted_bg_kl, conv)
-    res = train_ftpo(w, ftpo_problem(plan, sel, prob), cfg.ftpo, progress=progress)
+    step = None if progress is None else (lambda r: progress({**r, "steps": cfg.ftpo.steps}))
+    res = train_ftpo(w, ftpo_problem(plan, sel, prob), cfg.ftpo, progress=step)
     conv = res.convergence(cfg.target_residual)
     return Solved(res.dW, {**res.summary(), "warnings": res.notes}, None, conv)
 

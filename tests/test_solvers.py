@@ -102,7 +102,7 @@ def test_ftpo_reaches_the_target_within_the_kl_budget(setup):
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a" if i % 2 else "b" for i in range(ev.P)], background=bg,
                      target_residual=target, kl_budget=budget, anchors=an, anchor_group=["w"] * an.P,
                      anchor_tol=[0.05] * an.P)
-    res = train_ftpo(w, pb, FtpoConfig(steps=200, lr=0.3, eval_every=10))
+    res = train_ftpo(w, pb, FtpoConfig(steps=200, lr=0.3, key_rank=10, eval_every=10))  # 10 events per phrase
     assert res.stopped == "converged" and res.best_step > 0
     before, after = _p_rej(ev, w, terms.rejected), _p_rej(ev, w, terms.rejected, dW=res.dW)
     for ph in ("a", "b"):
@@ -112,6 +112,31 @@ def test_ftpo_reaches_the_target_within_the_kl_budget(setup):
     lp1 = torch.log_softmax((_mix(bg, w, dW=res.dW) @ w.head.T).double(), -1)
     kl = float((lp0.exp() * (lp0 - lp1)).sum(-1).mean())
     assert kl <= budget and kl == pytest.approx(res.kl_exact, rel=1e-3, abs=1e-7)
+    assert res.convergence(target).max_violation == 0.0 and res.convergence(target).stop_reason == "converged"
+
+
+def test_key_basis_spans_the_phrase_keys_relative_to_the_background(setup):
+    """Q is orthonormal; with k = the phrase's event count, span(Q) = span(B⁻¹ h_e) (the generalized
+    eigenvectors of (C, B) with non-zero eigenvalue), re-derived by projecting B⁻¹ hᵀ; with k = 1 the kept
+    direction maximises vᵀCv / vᵀBv (scipy's generalized symmetric eigensolver)."""
+    import scipy.linalg
+
+    from l47.solvers.ftpo import key_basis
+
+    ev, bg = setup["ev"], setup["bg"]
+    g = torch.zeros(ev.P, dtype=torch.long)
+    Q = key_basis(ev.hh, g, bg.hh, ev.P)
+    np.testing.assert_allclose((Q.T @ Q).numpy(), np.eye(Q.shape[1]), atol=1e-10)
+    H = ev.hh.double()
+    B = (bg.hh.double().T @ bg.hh.double() / bg.P).numpy()
+    B += 1e-3 * np.trace(B) / B.shape[0] * np.eye(B.shape[0])
+    X = torch.as_tensor(np.linalg.solve(B, H.numpy().T))  # [f, E] B⁻¹ hᵀ
+    assert float((X - Q @ (Q.T @ X)).norm() / X.norm()) < 1e-8
+    C = (H.T @ H / ev.P).numpy()
+    vals, vecs = scipy.linalg.eigh(C, B)
+    q1 = key_basis(ev.hh, g, bg.hh, 1)[:, 0].numpy()
+    v = vecs[:, -1] / np.linalg.norm(vecs[:, -1])
+    assert abs(float(q1 @ v)) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_needed_drop_is_the_log_odds_of_the_aim():

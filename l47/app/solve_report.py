@@ -22,22 +22,24 @@ class FtpoProgress:
         return self
 
     def __call__(self, r: dict) -> None:
-        if not self.console.is_terminal:  # a log, not a bar: one line per dev evaluation (and the first step)
-            self.n = getattr(self, "n", 0) + 1
-            if self.n == 1 or "dev_p_rej" in r or self.n == r.get("steps"):
-                self.console.print(f"FTPO step {self.n}/{r.get('steps')}: loss {r['loss']:.4f} pref "
-                                   f"{r['pref']:.4f} KL {r['kl']:.2e} coll {r['coll']:.2e}"
-                                   + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""),
-                                   highlight=False)
+        """r: one evaluation of the trainer (l47.solvers.ftpo: step, loss, exact KL, dev/train residual per
+        phrase, elapsed seconds) plus "steps", the cap."""
+        res = r.get("dev_residual") or r.get("train_residual") or {}
+        worst = max(res.items(), key=lambda kv: kv[1]) if res else None
+        desc = (f"KL {r['kl_exact']:.2e}" + (f" loss {r['loss']:.4f}" if r.get("loss") is not None else "")
+                + (f" worst {worst[0]!r} {worst[1]:.3f}" if worst else ""))
+        if not self.console.is_terminal:  # a log, not a bar: one line per evaluation with every phrase
+            per = ", ".join(f"{k} {v:.3f}" for k, v in res.items())
+            self.console.print(f"FTPO step {r['step']}/{r.get('steps')} ({r.get('elapsed_s', 0):.0f} s): {desc}; "
+                               f"{'dev' if r.get('dev_residual') else 'train'} residual per phrase: {per}",
+                               highlight=False)
             return
         if self.bar is None:
             self.bar = Progress(TextColumn("[bold]FTPO[/]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                 TextColumn("{task.description}"), transient=True, console=self.console)
             self.bar.start()
             self.task = self.bar.add_task("", total=r.get("steps"))
-        self.bar.update(self.task, advance=1, description=f"loss {r['loss']:.4f} pref {r['pref']:.4f} "
-                        f"KL {r['kl']:.2e} coll {r['coll']:.2e}"
-                        + (f" dev p_rej {r['dev_p_rej']:.3f}" if "dev_p_rej" in r else ""))
+        self.bar.update(self.task, completed=r["step"], description=escape(desc))
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
@@ -71,6 +73,13 @@ def print_solve(res, console: Console) -> None:
                       f"re-quantisation, {a.max_abs_dlogp_shipped:.2e} shipped (re-quantisation floor "
                       f"{a.requant_floor:.2e})", highlight=False)
     m = c.method
+    if c.convergence is not None:
+        cv = c.convergence
+        console.print(f"stop: {cv.stop_reason} after {cv.iterations} iterations; max violation "
+                      f"{cv.max_violation if cv.max_violation is not None else float('nan'):.3g} "
+                      f"(tolerance {cv.violation_tol})", highlight=False)
+    for note in res.record.notes:
+        console.print(f"note: {escape(str(note))}", highlight=False)
     if "violation" in m:
         console.print(f"feasibility: max constraint violation {m['violation']:.2e} nats, linear-prediction "
                       f"residual {m['residual']:.2e}, {len(m['infeasible_events'])} infeasible event(s), "
