@@ -8,6 +8,7 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
            + λ_cond · mean_{e ∈ events ∪ near misses} KL(q⁰_e ‖ q_e) / budget               only r's mass moves
            + λ_coll · mean_group mean_{a ∈ group} (min(Δℓ_a, 0) / tol_group)²                soft anchors
            + λ_special · mean_e max(Δ Σ_s p_s, 0) / tol_special                               no special-token rise
+           + λ_special · mean_{b ∈ background} max(Δ log Σ_s p_s, 0)                         ... anywhere (flips)
            + λ_ridge · ‖ΔW‖² / ‖W‖²
   o_e = z_r − log Σ_{v ∈ S_e} exp z_v, the log-odds of r against S_e (the base top-K without r and the special
   tokens): it never saturates (∂o/∂z_r = 1 where ∂ℓ_r/∂z_r = 1 − p_r ≈ 0 at a near-certain token), and as
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from l47.data import record as rec
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix, event_logps
-from l47.tail.forward import head_stats, logits_at, logp_at, streamed_kl
+from l47.tail.forward import head_stats, logits_at, logp_at, streamed_kl, streamed_lse
 
 OBJECTIVES = ("target", "margin")
 
@@ -66,10 +67,10 @@ class FtpoConfig:
     warmup: int = 20  # steps of linear step-size warm-up
     floor: float = 0.0  # Adam's ε as this × the RMS over the matrix of √v (0: plain Adam)
     key_rank: int = 8  # per phrase: ΔW = U·Qᵀ acts on the phrase's key directions only (0: every direction of f)
-    steps: int = 300
+    steps: int = 400
     lambda_kl: float = 1.0  # initial λ on background KL / budget; doubled whenever the exact KL exceeds the budget
     lambda_cond: float = 1.0  # weight of the conditional tether KL / budget at events and near misses
-    lambda_coll: float = 1.0
+    lambda_coll: float = 4.0
     lambda_special: float = 1.0
     lambda_ridge: float = 0.0
     tether_topk: int = 32  # K of the conditional tether at events and near misses
@@ -261,6 +262,8 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         need = torch.as_tensor(needed_drop(p0_ev, cfg.aim * t), device=dev_)  # [E] f64
         mass0_special = base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
         mix0_bg = batch_mix(pb.background, w)
+        lm0_special = (torch.logsumexp(logits_at(mix0_bg, w, terms.special.to(dev_).expand(pb.background.P, -1)), 1)
+                       - streamed_lse(mix0_bg, w)) if terms.special.numel() else None  # [B] log Σ_s p⁰_s
         dev_p0 = None
         if pb.dev is not None:
             dev_p0 = np.exp(head_stats(batch_mix(pb.dev, w), w, pb.dev_final.cpu().numpy()).logp_target)
@@ -347,7 +350,13 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             gap = (lp["rejected"] - base["rejected"])[:, None] - (lp["chosen"] - base["chosen"])  # [E, kc]
             pref = (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
         rows = bg_rows()
-        kl_bg = streamed_kl(batch_mix(sub(pb.background, rows), w, dW=dW), mix0_bg[rows], w).mean()
+        mix_bg = batch_mix(sub(pb.background, rows), w, dW=dW)
+        kl_bg = streamed_kl(mix_bg, mix0_bg[rows], w).mean()
+        if special.numel():  # no rise of the special tokens' total log-probability anywhere in the background
+            lm = torch.logsumexp(logits_at(mix_bg, w, special.expand(len(rows), -1)), 1) - streamed_lse(mix_bg, w)
+            bg_special = F.relu(lm - lm0_special[rows]).mean()
+        else:
+            bg_special = mix.new_zeros(())
         cond = teth_ev.kl(mix, w, z_s)  # [E]
         if teth_near is not None:
             cond = torch.cat([cond, teth_near.kl(batch_mix(pb.near, w, dW=dW), w)])
@@ -357,7 +366,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             dlp = logp_at(batch_mix(pb.anchors, w, dW=dW), w, pb.anchors.target) - lp0_an
             coll = per_group_mean(soft_anchor(dlp, an_tol), an_group)
         special_t = (F.relu(lp["special"].exp().sum(1) - mass0_special).mean() / pb.special_tol
-                     if lp["special"].numel() else mix.new_zeros(()))
+                     if lp["special"].numel() else mix.new_zeros(())) + bg_special
         loss = (pref + lam * kl_term + cfg.lambda_cond * cond.mean().float() / budget + cfg.lambda_coll * coll + cfg.lambda_special * special_t
                 + cfg.lambda_ridge * dW.pow(2).sum() / W_sq)
         loss.backward()
