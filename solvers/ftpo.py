@@ -316,13 +316,12 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
                     dv = _phrase_residuals(dev_p0, p1, pb.dev_phrase)
             judge = {**tr, **dv}  # dev where a phrase has dev events, else train
             key = (_removal_score(judge, t), kl)
-            info = {"step": step, "kl_exact": kl, "lambda": lam, "train_residual": tr, "dev_residual": dv,
-                    "elapsed_s": round(time.monotonic() - t_start, 2)}
-            if history and "loss" in history[-1] and history[-1]["step"] == step - 1:
+            info = {"step": step, "kl_exact": kl, "lambda": lam, "train_residual": tr, "dev_residual": dv}
+            if history and "loss" in history[-1] and history[-1]["step"] == step:
                 info["loss"] = history[-1]["loss"]
-            history.append(info)
+            history.append(info)  # no wall time in the record: the same inputs write the same bytes
             if progress is not None:
-                progress(info)
+                progress({**info, "elapsed_s": round(time.monotonic() - t_start, 2)})
             if kl <= budget and (best is None or key < best[0]):
                 best = (key, step, dWd.clone(), kl, dv, tr)
             if kl > budget:

@@ -39,6 +39,7 @@ from l47.solvers.wfld import WfldConfig
 from l47.tail.forward import head_stats, paired_stats
 
 METHODS = ("wfld", "ftpo")
+DEFAULT_METHOD = "ftpo"  # solve to the target within the KL budget (docs/SOLVERS.md; measured in docs/BENCHMARKS.md)
 COMMON_KEYS = ("method", "seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen",
                "anchors_budget", "target_residual", "kl_budget", "wfld", "ftpo")
 KL_BUDGET_SAFETY = 0.5  # default KL budget = this × the tightest KLD bar ((e) kld_max, (g) chat_kld)
@@ -101,11 +102,11 @@ def _sub(cls, d: dict, where: str):
 
 def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveConfig:
     """[solver] table -> SolveConfig, every key type- and range-checked (an unknown key answered with the nearest
-    known one); `method` (--method) wins over the table's `method`, default "wfld"."""
+    known one); `method` (--method) wins over the table's `method`, default DEFAULT_METHOD."""
     from l47.data.experiment import config_from_table
 
     t = dict(solver_table or {})
-    method = method or t.pop("method", None) or "wfld"
+    method = method or t.pop("method", None) or DEFAULT_METHOD
     t.pop("method", None)
     if method not in METHODS:
         raise L47Error(where, "method ([solver] method or --method)", f"one of {METHODS}", repr(method))
