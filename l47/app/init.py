@@ -75,7 +75,7 @@ THRESHOLD_MEANINGS = {
 }
 
 SOLVER_MEANINGS = {
-    "method": "wfld (closed form) | ftpo (training); --method overrides",
+    "method": "ftpo (solve to target_residual within kl_budget; the default when none is named) | wfld (closed form); --method overrides",
     "seed": "the solve's seed",
     "max_background": "background positions used (evenly spread)",
     "max_anchors_per_word": "> 0: protect at most this many collateral contexts per word; each exact anchor uses "
