@@ -63,7 +63,7 @@ class FtpoConfig:
     aim: float = 0.5  # train events aim at aim × target_residual × p⁰ (target objective)
     margin: float = 2.0  # nats (margin objective)
     taper: float = 0.25  # τ, nats
-    lr: float = 0.1  # Adam step, relative to the RMS of W's entries
+    lr: float = 0.2  # Adam step, relative to the RMS of W's entries
     warmup: int = 20  # steps of linear step-size warm-up
     floor: float = 0.0  # Adam's ε as this × the RMS over the matrix of √v (0: plain Adam)
     key_rank: int = 8  # per phrase: ΔW = U·Qᵀ acts on the phrase's key directions only (0: every direction of f)
