@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import secrets
 import signal
 import tempfile
 import threading
@@ -28,7 +29,7 @@ TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<random>.tmp" beside their targe
 STAGE_SUFFIX = ".staging"  # staging folders are ".<name>.<random>.staging" beside their target
 
 _live: set[Path] = set()  # temp files and staging folders in flight (removed on interrupt / exit)
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: the signal handler runs cleanup_live() in the main thread, which may hold it
 
 
 def _register(p: Path) -> None:
@@ -68,12 +69,6 @@ def live_temps() -> list[Path]:
         return sorted(_live)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -87,19 +82,28 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _new_registered(parent: Path, prefix: str, suffix: str, folder: bool) -> Path:
+    """Create a new temp file (mode 0666 & ~umask) or folder (0700) named parent/prefix<random>suffix, registered
+    BEFORE it exists: an interrupt that lands during the create still finds and removes it."""
+    while True:
+        p = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        _register(p)
+        try:
+            if folder:
+                p.mkdir(mode=0o700)
+            else:
+                os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
+            return p
+        except FileExistsError:
+            _forget(p)  # someone else's: never ours to remove
+
+
 def temp_beside(path, suffix: str = TEMP_SUFFIX) -> Path:
     """Create (empty, mode 0666 & ~umask) and register a temp file in `path`'s folder; the caller writes it and
     then `commit`s or `discard`s it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; an output gets the usual permissions
-    finally:
-        os.close(fd)
-    tmp = Path(tmp)
-    _register(tmp)
-    return tmp
+    return _new_registered(path.parent, f".{path.name}.", suffix, folder=False)
 
 
 def commit(tmp, path) -> Path:
@@ -170,13 +174,23 @@ def write_json_atomic(path, obj: Any, *, indent: int | None = 1, sort_keys: bool
 
 
 @contextmanager
+def temp_dir(prefix: str = "l47-") -> Iterator[Path]:
+    """A registered scratch folder under the system temp folder ($TMPDIR); removed when the block ends, however it
+    ends (an interrupt's handler removes it too, even before the block is entered)."""
+    tmp = _new_registered(Path(tempfile.gettempdir()), prefix, "", folder=True)
+    try:
+        yield tmp
+    finally:
+        discard(tmp)
+
+
+@contextmanager
 def staging_dir(path) -> Iterator[Path]:
     """A registered, empty folder beside `path` (".<name>.<random>.staging"); removed when the block ends,
     however it ends. The caller moves finished files out of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=STAGE_SUFFIX))
-    _register(stage)
+    stage = _new_registered(path.parent, f".{path.name}.", STAGE_SUFFIX, folder=True)
     try:
         yield stage
     finally:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,7 +205,7 @@ def run_export(args: ExportArgs, log: Callable[[str], None] | None = None) -> Ex
     from l47.app import dumping
     from l47.dumps import read_dump
     from l47.engine.gguf_export import export_gguf, export_types, load_hf, round_trip_in_place
-    from l47.fileio import sha256_file
+    from l47.fileio import sha256_file, temp_dir
 
     say = log or (lambda m: None)
     out = Path(args.out)
@@ -236,7 +235,7 @@ def run_export(args: ExportArgs, log: Callable[[str], None] | None = None) -> Ex
         ref = [_logp_next(model, list(r.tokens)) for r in rendered]  # transformers at the exported types
         del model
         say("checking: l47 dump (hf engine, exact policy) on the exported file vs transformers on the checkpoint")
-        with tempfile.TemporaryDirectory(prefix="l47-export-check-") as tmp:
+        with temp_dir("l47-export-check-") as tmp:
             src = Path(tmp) / "check.jsonl"
             src.write_text("".join(json.dumps(d) + "\n" for d in CHECK_DOCS), encoding="utf-8")
             summary = dumping.run_dump("hf", partial, src, Path(tmp) / "dumps", policy="exact",
