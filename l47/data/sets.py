@@ -299,8 +299,7 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
         d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
         d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
     reasons, guard, chat = _guard(d, dump, tokens, role, stats, ctx)
-    d.report = _doc_report(d, dump, tokens, role, logp if stats is not None else None, chat, guard, reasons,
-                           len(collat), ctx)
+    d.report = _doc_report(d, dump, logp if stats is not None else None, chat, guard, reasons, len(collat), ctx)
     return d
 
 
@@ -348,9 +347,11 @@ def _guard(d: _Doc, dump, tokens, role, stats, ctx):
     return reasons, guard, chat
 
 
-def _doc_report(d: _Doc, dump, tokens, role, logp, chat, guard, reasons, n_collateral: int, ctx) -> DocReport:
+def _doc_report(d: _Doc, dump, logp, chat, guard, reasons, n_collateral: int, ctx) -> DocReport:
     """The document's line of the sets report: CE over content targets (f64 mean), events and non-events,
     in-context copies, coverage, guard figures."""
+    tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
+    role = np.asarray(dump.role)  # [T]
     thr = ctx["thresholds"].non_event_p
     T = dump.T
     n_ev = sum(1 for _, q in d.events if q >= thr)
