@@ -18,17 +18,12 @@ import pytest
 from typer.testing import CliRunner
 
 from l47.app.cli import app
-from test_malformed import _toml, make_world
+from test_malformed import make_solvable_world
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_tokenizer_kv):
-    w = make_world(tmp_path_factory.mktemp("det_world"), tmp_path_factory.mktemp("det_build"), tiny_tokenizer_kv)
-    exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
-                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
-                split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')
-    (w["root"] / "det.toml").write_text(exp)
-    return w
+    return make_solvable_world(tmp_path_factory, tiny_tokenizer_kv, "det")
 
 
 def _cli(*args):

@@ -78,6 +78,17 @@ def world(tmp_path_factory, tiny_tokenizer_kv):
                       tiny_tokenizer_kv)
 
 
+def make_solvable_world(tmp_path_factory, tokenizer_kv, name: str) -> dict:
+    """make_world plus det.toml: the world's experiment with bars that a tiny solvable world meets (non-events
+    kept, CE guard off, minimum counts 1) and a [split] pool — for tests that run solve and audit end to end."""
+    w = make_world(tmp_path_factory.mktemp(f"{name}_world"), tmp_path_factory.mktemp(f"{name}_build"), tokenizer_kv)
+    exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
+                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
+                split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')
+    (w["root"] / "det.toml").write_text(exp)
+    return w
+
+
 def make_world(root: Path, scratch: Path, tiny_tokenizer_kv) -> dict:
     """Build the corpus world in `root` (`scratch` is removed afterwards). Also used by test_determinism."""
     from l47.dumps import write_dump

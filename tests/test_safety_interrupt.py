@@ -144,15 +144,10 @@ def fake_bin_factory(monkeypatch):
 def world(tmp_path_factory, tiny_tokenizer_kv):
     sys.path.insert(0, str(Path(__file__).parent))
     try:
-        from test_malformed import _toml, make_world
+        from test_malformed import make_solvable_world
     finally:
         sys.path.pop(0)
-    w = make_world(tmp_path_factory.mktemp("int_world"), tmp_path_factory.mktemp("int_build"), tiny_tokenizer_kv)
-    exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
-                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
-                split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')
-    (w["root"] / "det.toml").write_text(exp)
-    return w
+    return make_solvable_world(tmp_path_factory, tiny_tokenizer_kv, "int")
 
 
 def _cli_subprocess(args, tmp_path: Path, wait_for: str, sig=signal.SIGTERM):
