@@ -88,8 +88,19 @@ def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -
         dirs["generated"] = _paths(run_dump("hf", spec.model, p, out / "dumps" / "generated", generate=gen,
                                             console=None))
         log(f"{spec.name}: generated {len(dirs['generated'])}")
+    from l47.app.demo import CHAT_TOKENS, HELDOUT_PROMPTS
+
     sets = {"heldout_chat": "heldout_chat", "collateral": "collateral", "background": "background",
             **{k: k for k in spec.kld}}
+    if (spec.data / HELDOUT_PROMPTS).is_file() and caps.get("heldout_chat", 1) != 0:
+        # the model's own chats from held-back prompts, as `l47 demo` makes them (bars (f), (g) and proxy.base_ce
+        # judge text natural for the model); else the model's written held-out chats
+        del sets["heldout_chat"]
+        src = _subset(spec.data / HELDOUT_PROMPTS, inputs / HELDOUT_PROMPTS, caps.get("heldout_chat"))
+        gen = GenerateOptions(max_new_tokens=CHAT_TOKENS, seed=0, temperature=0.7, top_p=0.9, top_k=40, think=True)
+        dirs["heldout_chat"] = _paths(run_dump("hf", spec.model, src, out / "dumps" / "heldout_chat", generate=gen,
+                                               console=None))
+        log(f"{spec.name}: heldout_chat (generated) {len(dirs['heldout_chat'])}")
     if spec.pool_written:
         sets["pool_chat"] = spec.pool_written.removesuffix(".jsonl")
     for key, stem in sets.items():
