@@ -625,7 +625,8 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_s
     dsha = dev["inputs"]["bundle"]["sha256"]
     if dsha != bsha:
         raise L47Error(args.bundle, "sha256", f"{dsha} (the bundle the dev report audited, untouched since)",
-                       f"{bsha} (the bundle changed: the blind sign-off needs the untouched dev-audited bundle)")
+                       f"{bsha} (another bundle, or this one changed since: the blind sign-off needs the dev "
+                       f"report of this very bundle, --dev-report {args.dev_report})")
     if not Path(args.blind).is_file():
         raise L47Error(args.blind, "blind document", "an existing dump file", "missing")
     d = read_dump(args.blind)
