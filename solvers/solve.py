@@ -533,11 +533,7 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
     """Solve and write the bundle, its record and the ledger lines. `log` receives messages, `progress` one dict
     per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths."""
     log = log or (lambda _msg: None)
-    plan = plan_solve(args)
-    every = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
-    sel, choice = fit_anchors(plan, every, log)
-    prob = build_problem(plan, sel)
-    log(describe(sel, prob))
+    plan, every, sel, choice, prob = _prepare(args, log)
     feas = check_feasible(plan, sel, prob)
     for line in describe_feasibility(feas):
         log(line)
@@ -565,9 +561,16 @@ def run_plan(args: SolveArgs, log: Callable[[str], None] | None = None):
     """`l47 plan`: the steps of `run_solve` up to the feasibility plan; nothing is solved or written. Returns
     (FeasibilityPlan, AnchorChoice | None)."""
     log = log or (lambda _msg: None)
+    plan, _, sel, choice, prob = _prepare(args, log)
+    return check_feasible(plan, sel, prob), choice
+
+
+def _prepare(args: SolveArgs, log: Callable[[str], None]):
+    """The steps `l47 solve` and `l47 plan` share: plan -> select every position -> anchors within budget ->
+    the problem's batches. Returns (plan, every selected position, the kept selection, anchor choice, problem)."""
     plan = plan_solve(args)
-    sel = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
-    sel, choice = fit_anchors(plan, sel, log)
+    every = select_positions(plan.report, plan.cfg, plan.exp.path, plan.dumps.tokens)
+    sel, choice = fit_anchors(plan, every, log)
     prob = build_problem(plan, sel)
     log(describe(sel, prob))
-    return check_feasible(plan, sel, prob), choice
+    return plan, every, sel, choice, prob

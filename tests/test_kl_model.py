@@ -21,22 +21,12 @@ from l47.solvers.batch import Batch, EventTerms, batch_mix, pick_chosen
 from l47.solvers.fisher import fisher_factors
 from l47.solvers.wfld import WfldConfig, solve_wfld
 from l47.tail.forward import mix_from_ys, paired_stats
-from test_forward import weights_from_hf
-from tiny_hf import capture, tiny_model
+from test_solvers import tiny_rows
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    m = tiny_model(seed=0)
-    w = weights_from_hf(m)
-    ids = torch.randint(0, 1024, (400,), generator=torch.Generator().manual_seed(1))
-    s, _ = capture(m, ids)
-
-    def mk(rows):
-        r = torch.as_tensor(rows)
-        return Batch(R=s["R"][r], inj=s["inj"][r], hh=s["hh"][r], sgv=s["sgv"][r], yr=s["yr"][r],
-                     target=ids[r + 1], doc=("d",) * len(rows), pos=tuple(rows))
-
+    w, _, _, mk = tiny_rows()
     return w, mk
 
 

@@ -19,8 +19,9 @@ from test_forward import weights_from_hf
 from tiny_hf import capture, tiny_model
 
 
-@pytest.fixture(scope="module")
-def setup():
+def tiny_rows():
+    """The tiny transformers model's tail weights, 400 random ids, their logits, and mk(rows) -> the Batch of
+    those positions (the states transformers captured). Shared with test_kl_model."""
     m = tiny_model(seed=0)
     w = weights_from_hf(m)
     ids = torch.randint(0, 1024, (400,), generator=torch.Generator().manual_seed(1))
@@ -31,6 +32,12 @@ def setup():
         return Batch(R=s["R"][r], inj=s["inj"][r], hh=s["hh"][r], sgv=s["sgv"][r], yr=s["yr"][r],
                      target=ids[r + 1], doc=("d",) * len(rows), pos=tuple(rows))
 
+    return w, ids, logits, mk
+
+
+@pytest.fixture(scope="module")
+def setup():
+    w, ids, logits, mk = tiny_rows()
     lp = torch.log_softmax(logits, -1)
     ev_rows = list(range(0, 60, 3))
     rej = lp[torch.as_tensor(ev_rows)].argmax(-1)  # plant: the base argmax is the "banned" final token
