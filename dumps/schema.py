@@ -344,19 +344,23 @@ def validate_dump(arrays: Mapping[str, np.ndarray], meta: DumpMeta | Mapping[str
     role codes, token ids, fp16-exactness of hh when hh_precision is "f16". `where` is only used by callers that
     raise; each problem string starts with the array or `meta.` field it concerns."""
     md = meta.to_dict() if isinstance(meta, DumpMeta) else dict(meta)
-    out = meta_problems(md)
+    out = meta_problems(md) + _presence_problems(arrays)
+    dims = _dims(arrays, md, out)
+    for name in ALL_ARRAYS:
+        a = arrays.get(name)
+        if a is not None:
+            out += _array_problems(name, a, dims, md)
+    return out + _provenance_problems(arrays, md)
 
-    def dim(k: str) -> int | None:
-        v = md.get(k)
-        return v if is_json_type(v, int) and v > 0 else None
 
+def _roles(md: Mapping[str, Any]) -> tuple[Any, int]:
+    """The metadata's role names (as given) and how many codes they allow."""
     roles = md.get("roles", ROLES)
-    n_roles = len(roles) if isinstance(roles, (list, tuple)) else len(ROLES)
+    return roles, len(roles) if isinstance(roles, (list, tuple)) else len(ROLES)
 
-    # --- presence
-    for k in REQUIRED_ARRAYS:
-        if k not in arrays:
-            out.append(f"{k}: expected present, found missing")
+
+def _presence_problems(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    out = [f"{k}: expected present, found missing" for k in REQUIRED_ARRAYS if k not in arrays]
     present_ref = [k for k in REF_TRIO if k in arrays]
     if present_ref and len(present_ref) != len(REF_TRIO):
         missing = [k for k in REF_TRIO if k not in arrays]
@@ -364,8 +368,12 @@ def validate_dump(arrays: Mapping[str, np.ndarray], meta: DumpMeta | Mapping[str
                    f"together), found missing")
     for k in sorted(set(arrays) - set(ALL_ARRAYS)):
         out.append(f"{k}: expected no such array (known: {', '.join(ALL_ARRAYS)}), found it")
+    return out
 
-    # --- T and k
+
+def _dims(arrays: Mapping[str, np.ndarray], md: Mapping[str, Any], out: list[str]) -> dict[str, int | None]:
+    """T (from the tokens), k (from the ref top-k arrays) and the metadata dims; None = unknown, not checked.
+    Problems with T or k are appended to `out`."""
     T = None
     tok = arrays.get(TOKENS)
     if tok is not None and tok.ndim == 1:
@@ -380,60 +388,69 @@ def validate_dump(arrays: Mapping[str, np.ndarray], meta: DumpMeta | Mapping[str
             k_top = a.shape[1] if k_top is None else k_top
     if k_top is not None and k_top < 1:
         out.append(f"{REF_TOP_IDS}: expected k >= 1, found k = {k_top}")
-    dims = {"T": T, "k": k_top, **{d: dim(d) for d in _DIMS}}
 
-    # --- dtype, shape, values
-    for name in ALL_ARRAYS:
-        a = arrays.get(name)
-        if a is None:
-            continue
-        if not isinstance(a, np.ndarray):
-            out.append(f"{name}: expected a numpy array, found {type(a).__name__}")
-            continue
-        want_dt = ARRAY_SPEC[name][0]
-        if a.dtype != want_dt:
-            out.append(f"{name}: expected dtype {want_dt}, found {a.dtype}")
-        want = _expected_shape(name, dims)
-        if a.ndim != len(want) or any(w is not None and w != s for w, s in zip(want, a.shape)):
-            out.append(f"{name}: expected shape {_fmt_shape(want)}, found {list(a.shape)}")
-        if a.size == 0:
-            continue
-        if name in FLOAT_ARRAYS and a.dtype.kind == "f":
-            c, first = _count_where(a, lambda x: ~np.isfinite(x))
-            if c:
-                out.append(f"{name}: expected finite values, found {c} non-finite (first at {list(first)})")
-        if name == ROLE and a.dtype.kind in "iu":
-            c, first = _count_where(a, lambda x: (x < 0) | (x >= n_roles))
-            if c:
-                out.append(f"{ROLE}: expected codes 0..{n_roles - 1} ({', '.join(map(str, roles))}), found {c} out of "
-                           f"range (first at {list(first)}: {int(a[first])})")
-        if name in (TOKENS, REF_TOP_IDS) and a.dtype.kind in "iu" and dims["V"] is not None:
-            V = dims["V"]
-            c, first = _count_where(a, lambda x: (x < 0) | (x >= V))
-            if c:
-                out.append(f"{name}: expected ids in [0, {V}), found {c} out of range (first at {list(first)}: "
-                           f"{int(a[first])})")
-        if name == HH and md.get("hh_precision") == HH_F16 and a.dtype == np.float32:
-            c, first = _count_where(a, lambda x: x.astype(np.float16).astype(np.float32) != x)
-            if c:
-                out.append(f"{HH}: expected fp16-exact values (meta.hh_precision is \"f16\"), found {c} values not "
-                           f"representable in fp16 (first at {list(first)}: {float(a[first])!r})")
-        if name == REF_LOGP and a.dtype.kind == "f":
-            c, first = _count_where(a, lambda x: x > 1e-3)
-            if c:
-                out.append(f"{REF_LOGP}: expected log-probabilities <= 0, found {c} positive (first at {list(first)}: "
-                           f"{float(a[first])!r})")
-    # provenance must cover every role that produced a target
+    def dim(k: str) -> int | None:
+        v = md.get(k)
+        return v if is_json_type(v, int) and v > 0 else None
+
+    return {"T": T, "k": k_top, **{d: dim(d) for d in _DIMS}}
+
+
+def _array_problems(name: str, a: Any, dims: Mapping[str, int | None], md: Mapping[str, Any]) -> list[str]:
+    """One array's dtype, shape and values."""
+    if not isinstance(a, np.ndarray):
+        return [f"{name}: expected a numpy array, found {type(a).__name__}"]
+    out = []
+    want_dt = ARRAY_SPEC[name][0]
+    if a.dtype != want_dt:
+        out.append(f"{name}: expected dtype {want_dt}, found {a.dtype}")
+    want = _expected_shape(name, dims)
+    if a.ndim != len(want) or any(w is not None and w != s for w, s in zip(want, a.shape)):
+        out.append(f"{name}: expected shape {_fmt_shape(want)}, found {list(a.shape)}")
+    if a.size == 0:
+        return out
+    roles, n_roles = _roles(md)
+    if name in FLOAT_ARRAYS and a.dtype.kind == "f":
+        c, first = _count_where(a, lambda x: ~np.isfinite(x))
+        if c:
+            out.append(f"{name}: expected finite values, found {c} non-finite (first at {list(first)})")
+    if name == ROLE and a.dtype.kind in "iu":
+        c, first = _count_where(a, lambda x: (x < 0) | (x >= n_roles))
+        if c:
+            out.append(f"{ROLE}: expected codes 0..{n_roles - 1} ({', '.join(map(str, roles))}), found {c} out of "
+                       f"range (first at {list(first)}: {int(a[first])})")
+    if name in (TOKENS, REF_TOP_IDS) and a.dtype.kind in "iu" and dims["V"] is not None:
+        V = dims["V"]
+        c, first = _count_where(a, lambda x: (x < 0) | (x >= V))
+        if c:
+            out.append(f"{name}: expected ids in [0, {V}), found {c} out of range (first at {list(first)}: "
+                       f"{int(a[first])})")
+    if name == HH and md.get("hh_precision") == HH_F16 and a.dtype == np.float32:
+        c, first = _count_where(a, lambda x: x.astype(np.float16).astype(np.float32) != x)
+        if c:
+            out.append(f"{HH}: expected fp16-exact values (meta.hh_precision is \"f16\"), found {c} values not "
+                       f"representable in fp16 (first at {list(first)}: {float(a[first])!r})")
+    if name == REF_LOGP and a.dtype.kind == "f":
+        c, first = _count_where(a, lambda x: x > 1e-3)
+        if c:
+            out.append(f"{REF_LOGP}: expected log-probabilities <= 0, found {c} positive (first at {list(first)}: "
+                       f"{float(a[first])!r})")
+    return out
+
+
+def _provenance_problems(arrays: Mapping[str, np.ndarray], md: Mapping[str, Any]) -> list[str]:
+    """Provenance must cover every role that produced a target."""
     role = arrays.get(ROLE)
     prov = md.get("provenance")
+    roles, n_roles = _roles(md)
     if (isinstance(prov, dict) and isinstance(role, np.ndarray) and role.dtype.kind in "iu" and role.size
             and isinstance(roles, (list, tuple)) and all(isinstance(x, str) for x in roles)):
         used = [roles[int(c)] for c in np.unique(role) if 0 <= int(c) < n_roles]
         lacking = [x for x in used if x not in prov]
         if lacking:
-            out.append(f"meta.provenance: expected an entry for every role present in `role`, found none for "
-                       f"{lacking}")
-    return out
+            return [f"meta.provenance: expected an entry for every role present in `role`, found none for "
+                    f"{lacking}"]
+    return []
 
 
 # --- writing --------------------------------------------------------------------------------------------

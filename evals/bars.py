@@ -97,8 +97,8 @@ REGISTRY: dict[str, BarDef] = {}
 
 def register(name: str, *, family: str, direction: str, threshold: str | None, aggregation: str, definition: str,
              mode: str = MODE_DEV, optional: bool = False, threshold_from: str = ""):
-    """Decorator: add a bar function to the registry (names are unique). The keyword parameters ARE the bar's
-    metadata (registered as data, shown in every report), hence more than eight."""
+    """Decorator: add a bar function to the registry (names are unique). Many parameters because the keyword
+    parameters ARE the bar's metadata (registered as data, shown in every report)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"bar {name}: direction {direction!r}")
 

@@ -30,8 +30,8 @@ import torch
 from l47.model.weights import TailWeights
 from l47.solvers.anchors import word_null_cost
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
-from l47.solvers.fisher import fisher_factors
-from l47.solvers.wfld import _dual_gram, _nnls_dual, anchor_basis, background_kl
+from l47.solvers.wfld import (WfldConfig, _dual_gram, _nnls_dual, anchor_basis, background_kl, eigen_metric,
+                               span_share)
 
 BINDING_NONE = "none"
 BINDING_EVENTS = "no train events"
@@ -106,94 +106,118 @@ def _gap_grads(ev: Batch, terms: EventTerms, w: TailWeights) -> torch.Tensor:
     return g.double()
 
 
-def feasibility(w: TailWeights, phrases: list[str], counts: dict[str, dict], p_base: dict[str, float],
-                ev: Batch, ev_phrase: list[str], ev_p: np.ndarray, terms: EventTerms, background: Batch,
-                anchors: Batch | None, anchor_words: list[str], turn_ends: int, target: float, kl_budget: float,
-                max_removed: float = 0.95, anchor_tol: float = 1e-6, fisher_topk: int = 32,
-                tail_samples: int = 32, ridge: float = 1e-6) -> FeasibilityPlan:
-    """The plan (module docstring). `counts[phrase][set]` events per set; `p_base[phrase]` mean base p;
-    `ev`/`ev_phrase`/`ev_p` the train events, their phrases and base p; `anchor_words` one label per anchor row
-    (turn ends included, labelled as such)."""
-    dev = w.device
-    B, rank = anchor_basis(anchors, w.f, anchor_tol, dev)  # [f, f']
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the plan reads of one selection (built by solvers/solve.py `check_feasible`)."""
+    phrases: list[str]
+    counts: dict[str, dict]  # phrase -> {set name: events}
+    p_base: dict[str, float]  # phrase -> mean base p(rejected) over its train + dev events
+    events: Batch | None  # the train events [E]
+    event_phrase: list[str]  # [E] the phrase of each train event
+    event_p: np.ndarray  # [E] base p(rejected) of each train event
+    terms: EventTerms
+    background: Batch
+    anchors: Batch | None
+    anchor_words: list[str]  # one label per anchor row (turn ends included, labelled as such)
+    turn_ends: int
+    target: float  # residual ratio aimed at per phrase
+    kl_budget: float  # nats, mean background KL
+
+
+@dataclass
+class _Joint:
+    """The least-KL ΔW reaching every train event's needed gap on the linearised problem (all phrases at once)."""
+    K: torch.Tensor | None = None  # [E, E] the dual Gram: ½KL of the min-norm step is ½ μᵀKμ
+    min_kl: float = float("inf")  # ½ μᵀKμ, the metric's KL (inf: no event can move)
+    exact_kl: float = float("nan")  # the exact streamed background KL of that ΔW
+    scale: float = 1.0  # exact_kl / min_kl: the factor the reachable figures are corrected by
+    contrib: np.ndarray | None = None  # [E] each event's share ½ μ_e (Kμ)_e of min_kl
+    tail_mass: float = float("nan")
+
+
+PLAN_RIDGE = 1e-6  # ρ relative to mean(γ)·mean(α): only keeps M invertible
+
+
+def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig()) -> FeasibilityPlan:
+    """The plan (module docstring) of the selection `inp`, with WFLD's settings for the anchors' span and the
+    metric (anchor_tol, max_removed, fisher_topk, fisher_tail_samples)."""
+    B, rank = anchor_basis(inp.anchors, w.f, cfg.anchor_tol, w.device)  # [f, f']
+    an = inp.anchors
+    words = word_null_cost(an.hh, inp.anchor_words, cfg.anchor_tol) if an is not None and an.P else {}
+    movable = inp.events is not None and inp.events.P
+    share = span_share(inp.events.hh, B).cpu().numpy() if movable else np.zeros(0)  # [E]
+    d_need = needed_gap(inp.event_p, inp.target) if len(inp.event_p) else np.zeros(0)
+    blocked = share > cfg.max_removed
     notes: list[str] = []
-    words = word_null_cost(anchors.hh, anchor_words, anchor_tol) if anchors is not None and anchors.P else {}
-    ev_phrase = list(ev_phrase)
-    share = np.zeros(0)
-    if ev is not None and ev.P:
-        he = ev.hh.double()
-        share = (1.0 - (he @ B).pow(2).sum(1) / he.pow(2).sum(1).clamp_min(1e-300)).cpu().numpy()  # [E]
-    d_need = needed_gap(ev_p, target) if len(ev_p) else np.zeros(0)
-    # the linearised problem in the metric's eigenbases (WFLD's machinery, at the base)
-    K = None
-    tail = float("nan")
-    if ev is not None and ev.P:
-        ff = fisher_factors(background, w, w.W_sd, K=fisher_topk, row_basis=B, tail_samples_n=tail_samples)
-        tail = ff.tail_mass
-        gam, UG = torch.linalg.eigh(ff.G)
-        alp, UA = torch.linalg.eigh(ff.A)
-        gam, alp = gam.clamp_min(0), alp.clamp_min(0)
-        rho = ridge * float(gam.mean() * alp.mean()) or ridge
-        D = 1.0 / (rho + gam[:, None] * alp[None, :])  # [n, f'] (M = ρI + A'⊗G; ρ only keeps it invertible)
-        Gh = _gap_grads(ev, terms, w) @ UG  # [E, n]
-        Hh = (ev.hh.double() @ B) @ UA  # [E, f']
-        K = _dual_gram(Gh, Hh, D, np.arange(ev.P))  # [E, E]: ½KL of the min-norm step is ½ μᵀKμ
-    joint, mu, joint_exact, calib = float("inf"), None, float("nan"), 1.0
-    blocked = share > max_removed
-    if K is not None:
-        act = np.nonzero(~blocked)[0]
-        if len(act):
-            Ka = K[np.ix_(act, act)] if len(act) < ev.P else K
-            mu = _nnls_dual(torch.as_tensor(Ka), -d_need[act])
-            Kmu = Ka.cpu().numpy() @ mu
-            joint = 0.5 * float(mu @ Kmu)
-            contrib = np.zeros(ev.P)
-            contrib[act] = 0.5 * mu * Kmu
-            # the least-KL ΔW itself, and its EXACT background KL: the linearised metric's scale along it
-            at = torch.as_tensor(act, device=dev)
-            mu_t = torch.as_tensor(mu, dtype=torch.float64, device=dev)
-            Yhat = -D * (Gh[at].T @ (mu_t[:, None] * Hh[at]))  # [n, f']
-            dW = (UG @ Yhat @ UA.T @ B.T).to(torch.float32)  # [n, f]
-            with torch.no_grad():
-                mix0 = batch_mix(background, w)
-            joint_exact = background_kl(background, w, dW, mix0)
-            if joint > 0 and joint_exact > 0:
-                calib = joint_exact / joint
-            bad_fit = float(np.max(d_need[act] - Kmu, initial=-np.inf))  # > 0: a target the dual did not meet
-            if bad_fit > 1e-3 * max(1.0, float(d_need.max(initial=0))):
-                notes.append(f"the linearised targets are not all reachable even without a budget (short by "
-                             f"{bad_fit:.3g} nats): a direction is missing from the null space")
-    out = []
-    for ph in phrases:
-        idx = np.asarray([i for i, q in enumerate(ev_phrase) if q == ph], dtype=np.int64)
-        pb = float(p_base.get(ph, float("nan")))
-        if not len(idx):
-            out.append(PhrasePlan(ph, counts.get(ph, {}), pb, float("nan"), float("nan"), float("nan"),
-                                  float("nan"), 0, 0.0, 1.0, 0.0, BINDING_EVENTS))
-            continue
-        ok = idx[~blocked[idx]]
-        if len(ok) and K is not None:
-            s = float(K[np.ix_(ok, ok)].sum())
-            # blocked events contribute no reduction; the metric scaled to the exact KL at the joint solution
-            reach = math.sqrt(max(2.0 * kl_budget * s / calib, 0.0)) / len(idx)
-        else:
-            reach = 0.0
-        need = float(d_need[idx].mean())
-        resid = residual_after(float(np.mean(ev_p[idx])), reach)
-        jshare = float(contrib[idx].sum() / joint) if mu is not None and joint > 0 else 0.0
-        if blocked[idx].all():
-            binding = BINDING_SPAN
-        elif reach < need:
-            binding = BINDING_SPAN if blocked[idx].mean() > 0.5 else BINDING_KL
-        else:
-            binding = BINDING_NONE
-        out.append(PhrasePlan(ph, counts.get(ph, {}), pb, need, float(d_need[idx].max()),
-                              float(share[idx].mean()), float(share[idx].max()), int(blocked[idx].sum()), reach,
-                              resid, jshare, binding))
-    if math.isfinite(joint_exact) and joint_exact > kl_budget:
+    joint = _joint(w, inp, B, cfg, d_need, blocked, notes) if movable else _Joint()
+    out = [_phrase_plan(ph, inp, share, blocked, d_need, joint) for ph in inp.phrases]
+    if math.isfinite(joint.exact_kl) and joint.exact_kl > inp.kl_budget:
         notes.append(f"the least-KL edit reaching every phrase's linearised target has an exact background KL of "
-                     f"{joint_exact:.3g} nats > the budget {kl_budget:.3g}")
-    return FeasibilityPlan(target=target, kl_budget=kl_budget, f=w.f, anchors=0 if anchors is None else anchors.P,
-                           anchor_rank=rank, turn_ends=turn_ends, null_dim=B.shape[1], words=words, phrases=out,
-                           joint_min_kl=joint, joint_exact_kl=joint_exact, metric_scale=calib,
-                           fisher_tail_mass=tail, notes=notes)
+                     f"{joint.exact_kl:.3g} nats > the budget {inp.kl_budget:.3g}")
+    return FeasibilityPlan(target=inp.target, kl_budget=inp.kl_budget, f=w.f, anchors=0 if an is None else an.P,
+                           anchor_rank=rank, turn_ends=inp.turn_ends, null_dim=B.shape[1], words=words, phrases=out,
+                           joint_min_kl=joint.min_kl, joint_exact_kl=joint.exact_kl, metric_scale=joint.scale,
+                           fisher_tail_mass=joint.tail_mass, notes=notes)
+
+
+def _joint(w: TailWeights, inp: PlanInputs, B: torch.Tensor, cfg: WfldConfig, d_need: np.ndarray,
+           blocked: np.ndarray, notes: list[str]) -> _Joint:
+    """The linearised problem in the metric's eigenbases (WFLD's machinery, at the base), its least-KL solution
+    through the dual (NNLS) over the events not blocked by the anchors' span, and that ΔW's exact KL."""
+    ev = inp.events
+    m = eigen_metric(inp.background, w, w.W_sd, B, ev.hh, cfg, PLAN_RIDGE)
+    D = m.inverse_diag()  # [n, f'] (M = ρI + A'⊗G; ρ only keeps it invertible)
+    Gh = _gap_grads(ev, inp.terms, w) @ m.UG  # [E, n]
+    out = _Joint(K=_dual_gram(Gh, m.Hh, D, np.arange(ev.P)), tail_mass=m.tail_mass)  # K [E, E]
+    act = np.nonzero(~blocked)[0]
+    if not len(act):
+        return out
+    Ka = out.K[np.ix_(act, act)] if len(act) < ev.P else out.K
+    mu = _nnls_dual(torch.as_tensor(Ka), -d_need[act])
+    Kmu = Ka.cpu().numpy() @ mu
+    out.min_kl = 0.5 * float(mu @ Kmu)
+    out.contrib = np.zeros(ev.P)
+    out.contrib[act] = 0.5 * mu * Kmu
+    # the least-KL ΔW itself, and its EXACT background KL: the linearised metric's scale along it
+    at = torch.as_tensor(act, device=w.device)
+    mu_t = torch.as_tensor(mu, dtype=torch.float64, device=w.device)
+    Yhat = -D * (Gh[at].T @ (mu_t[:, None] * m.Hh[at]))  # [n, f']
+    dW = (m.UG @ Yhat @ m.UA.T @ B.T).to(torch.float32)  # [n, f]
+    with torch.no_grad():
+        mix0 = batch_mix(inp.background, w)
+    out.exact_kl = background_kl(inp.background, w, dW, mix0)
+    if out.min_kl > 0 and out.exact_kl > 0:
+        out.scale = out.exact_kl / out.min_kl
+    bad_fit = float(np.max(d_need[act] - Kmu, initial=-np.inf))  # > 0: a target the dual did not meet
+    if bad_fit > 1e-3 * max(1.0, float(d_need.max(initial=0))):
+        notes.append(f"the linearised targets are not all reachable even without a budget (short by "
+                     f"{bad_fit:.3g} nats): a direction is missing from the null space")
+    return out
+
+
+def _phrase_plan(ph: str, inp: PlanInputs, share: np.ndarray, blocked: np.ndarray, d_need: np.ndarray,
+                 joint: _Joint) -> PhrasePlan:
+    """One phrase's row: needed vs reachable mean gap (this phrase alone within the KL budget, the metric scaled
+    to the exact KL at the joint solution; blocked events contribute no reduction) and the binding constraint."""
+    idx = np.asarray([i for i, q in enumerate(inp.event_phrase) if q == ph], dtype=np.int64)
+    pb = float(inp.p_base.get(ph, float("nan")))
+    if not len(idx):
+        return PhrasePlan(ph, inp.counts.get(ph, {}), pb, float("nan"), float("nan"), float("nan"), float("nan"), 0,
+                          0.0, 1.0, 0.0, BINDING_EVENTS)
+    ok = idx[~blocked[idx]]
+    if len(ok) and joint.K is not None:
+        s = float(joint.K[np.ix_(ok, ok)].sum())
+        reach = math.sqrt(max(2.0 * inp.kl_budget * s / joint.scale, 0.0)) / len(idx)
+    else:
+        reach = 0.0
+    need = float(d_need[idx].mean())
+    resid = residual_after(float(np.mean(inp.event_p[idx])), reach)
+    jshare = float(joint.contrib[idx].sum() / joint.min_kl) if joint.contrib is not None and joint.min_kl > 0 else 0.0
+    if blocked[idx].all():
+        binding = BINDING_SPAN
+    elif reach < need:
+        binding = BINDING_SPAN if blocked[idx].mean() > 0.5 else BINDING_KL
+    else:
+        binding = BINDING_NONE
+    return PhrasePlan(ph, inp.counts.get(ph, {}), pb, need, float(d_need[idx].max()), float(share[idx].mean()),
+                      float(share[idx].max()), int(blocked[idx].sum()), reach, resid, jshare, binding)

@@ -295,7 +295,7 @@ def describe(sel: Selection, prob: Problem) -> str:
 def check_feasible(plan: "SolvePlan", sel: Selection, prob: "Problem"):
     """The feasibility plan (solvers/plan.py) for this selection: per phrase events, base p, needed and
     reachable log-odds, share inside the protected span, binding constraint."""
-    from l47.solvers.plan import feasibility
+    from l47.solvers.plan import PlanInputs, feasibility
 
     r = plan.report
     phrases = [p["phrase"] for p in r.phrases]
@@ -311,12 +311,10 @@ def check_feasible(plan: "SolvePlan", sel: Selection, prob: "Problem"):
         raise L47Error(plan.exp.path, f"phrases.text = {empty[0]!r}", "a phrase with at least one event (prefix-exact, "
                        f"base p ≥ {r.thresholds['non_event_p']}) in the experiment's documents", "zero events")
     words = [c.word for c in sel.anchors] + [names.IM_END] * len(sel.turn_ends)
-    wc = plan.cfg.wfld
-    return feasibility(plan.w, phrases, counts, {k: float(np.mean(v)) if v else float("nan") for k, v in pb.items()},
-                       prob.events, [e.phrase for e in sel.train], np.asarray([e.p_base for e in sel.train]),
-                       prob.terms, prob.background, prob.anchors, words, len(sel.turn_ends),
-                       plan.cfg.target_residual, kl_budget(plan), max_removed=wc.max_removed,
-                       anchor_tol=wc.anchor_tol, fisher_topk=wc.fisher_topk, tail_samples=wc.fisher_tail_samples)
+    return feasibility(plan.w, PlanInputs(
+        phrases, counts, {k: float(np.mean(v)) if v else float("nan") for k, v in pb.items()}, prob.events,
+        [e.phrase for e in sel.train], np.asarray([e.p_base for e in sel.train]), prob.terms, prob.background,
+        prob.anchors, words, len(sel.turn_ends), plan.cfg.target_residual, kl_budget(plan)), plan.cfg.wfld)
 
 
 def describe_feasibility(fp) -> list[str]:

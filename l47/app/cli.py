@@ -170,7 +170,9 @@ def score(
     force: bool = _force_opt(),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
-    """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward."""
+    """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward.\f
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     set_head_precision(precision)
     from rich.progress import Progress
 
@@ -259,7 +261,9 @@ def dump(
     offload_dir: Optional[Path] = typer.Option(None, help="folder for layers the device map puts on 'disk'"),
     batch: int = typer.Option(16, help="hf engine: turns sampled together (same ids as one at a time)"),
 ):
-    """Run an engine over documents -> dump files, with the zero-proxy check per document."""
+    """Run an engine over documents -> dump files, with the zero-proxy check per document.\f
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     from l47.app.dumping import GenerateOptions, run_dump
     from l47.engine.hf import parse_placement
 
@@ -292,7 +296,9 @@ def sets(
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Events per phrase x split, non-events, in-context copies, collateral, coverage and refusals
-    (--json - : the report as JSON on stdout, nothing else)."""
+    (--json - : the report as JSON on stdout, nothing else).\f
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     set_head_precision(precision)
     from l47.app.paths import check_sets
     from l47.app.sets_view import run_sets
@@ -323,7 +329,9 @@ def solve(
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
-    """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights."""
+    """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights.\f
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     set_head_precision(precision)
     from l47.app.paths import check_solve
     from l47.app.tables import json_to_stdout
@@ -457,7 +465,9 @@ def audit(
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Bars (a)–(g), KLD domains and the blind sign-off -> report.json / report.md / plots / TSV; exit 0 only
-    if every bar passes."""
+    if every bar passes.\f
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     set_head_precision(precision)
     from l47.app.audit_view import audit_and_print
     from l47.app.tables import FittedConsole, json_to_stdout
@@ -493,7 +503,9 @@ def penalty(
     force: bool = _force_opt(),
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
 ):
-    """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export."""
+    """Prefix-conditioned sampler penalty: exact simulation on the dumps, alone and stacked; JSON export.\f
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     from l47.app.paths import check_penalty
     from l47.app.penalty_view import print_penalty
     from l47.evals.penalty import PenaltyArgs, run_penalty

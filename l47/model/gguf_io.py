@@ -155,7 +155,7 @@ class GGUFFile:
                  kv_types: dict[str, int], kv_item_types: dict[str, int], tensors: dict[str, TensorInfo],
                  mm: np.memmap, kv_spans: dict[str, tuple[int, int]], table_span: tuple[int, int],
                  extents: dict[str, int]):
-        """Filled by `open_gguf` only (one parameter per parsed section of the file, hence more than eight)."""
+        """Filled by `open_gguf` only. Many parameters because there is one per parsed section of the file."""
         self.path, self.version, self.alignment, self.data_offset = path, version, alignment, data_offset
         self.kv, self.kv_types, self.kv_item_types, self.tensors = kv, kv_types, kv_item_types, tensors
         self._mm = mm

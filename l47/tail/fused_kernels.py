@@ -9,6 +9,9 @@ cdiv = triton.cdiv
 
 @triton.jit
 def _epilogue(z, rm, rn, pid_n, mrow, mcol, M, S, SZ, TV, TI, NT, lo, KTOP: tl.constexpr, BN: tl.constexpr):
+    """One [BM, BN] tile of logits z -> its partials per row (max, exp-sum, Σ e·z, top-k) stored at the tile's
+    slot. Many parameters because a Triton device function takes every pointer, index and compile-time constant
+    it reads as an argument (no structs)."""
     z = tl.where(mcol[None, :], z, -float("inf"))
     mt, it = tl.max(z, 1, return_indices=True, return_indices_tie_break_left=True)  # tile max, its lowest id
     e = tl.exp(z - mt[:, None])
@@ -34,6 +37,9 @@ def _epilogue(z, rm, rn, pid_n, mrow, mcol, M, S, SZ, TV, TI, NT, lo, KTOP: tl.c
 @triton.jit
 def reduce_kernel(Z, szr, R, P, C, NT, t0, lo, M, S, SZ, A, TV, TI,
                   BM: tl.constexpr, BN: tl.constexpr, KTOP: tl.constexpr, PAIRED: tl.constexpr):
+    """Partials of logits already computed (Z [R, C], row stride szr), one [BM, BN] tile a program; PAIRED:
+    also A for the base rows against their edited rows P.. . Many parameters because a Triton kernel's
+    signature is its launch: every pointer, size and compile-time constant is one argument (no structs)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -54,6 +60,9 @@ def reduce_kernel(Z, szr, R, P, C, NT, t0, lo, M, S, SZ, A, TV, TI,
 def split_kernel(XH, XL, XI, HH, HL, HI, MROWS, P, V, N, NT, M, S, SZ, A, TV, TI, ZO,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                  KTOP: tl.constexpr, PAIRED: tl.constexpr, WRITE_Z: tl.constexpr, PROMOTE: tl.constexpr):
+    """The head GEMM in split fp16 (hi/lo parts of both operands, per-row power-of-two scales) with the
+    partials in its epilogue; WRITE_Z also stores the logits. Many parameters because a Triton kernel's
+    signature is its launch: every pointer, size and compile-time constant is one argument (no structs)."""
     # program -> (m block, vocabulary tile), grouped so a group's rows stay in L2 while it sweeps the head
     pid = tl.program_id(0)
     npm = tl.cdiv(MROWS, BM)
