@@ -8,8 +8,8 @@ The rules, read with `ast` from the source (nothing is imported or run):
   nesting its halves does not make it shorter to read), and the nested def is also checked on its own.
 - length = body lines: from the first statement after the docstring to the function's last line, blank lines
   and comments inside included; the signature, decorators and docstring are not counted.
-- parameters = positional-only + positional + keyword-only, plus one each for *args and **kwargs; the first
-  parameter of a def written directly in a class body (self / cls) is not counted.
+- parameters = positional-only + positional + keyword-only, plus one each for *args and **kwargs; a first
+  parameter named self or cls of a def written directly in a class body is not counted.
 - a function over a limit passes when its docstring has a sentence starting "Long because" (length) or
   "Many parameters because" (parameters) that gives the reason, e.g. a Triton kernel whose signature is its
   launch, or a CLI command whose parameters are its options (there after a form feed, which typer leaves out
@@ -91,7 +91,7 @@ def reason(doc: str | None, lead: str) -> str | None:
 
 def _count_params(a: ast.arguments, in_class: bool) -> int:
     named = [x.arg for x in a.posonlyargs + a.args]
-    n = len(named) - (1 if in_class and named else 0) + len(a.kwonlyargs)
+    n = len(named) - (1 if in_class and named and named[0] in ("self", "cls") else 0) + len(a.kwonlyargs)
     return n + (a.vararg is not None) + (a.kwarg is not None)
 
 
@@ -203,6 +203,10 @@ def _planted() -> str:
             def method(self, a, b, c, d, e, f, g, h):
                 return a
 
+            @staticmethod
+            def static(a, b, c, d, e, f, g, h, i):
+                return a
+
             @classmethod
             def wide_method(cls, a, b, c, d, e, f, g, h, i):
                 def inner(p, q, r, s, t, u, v, w, x):
@@ -216,10 +220,10 @@ def test_planted_offenders_are_caught_with_their_lengths_and_counts():
     assert {k: (s.lines, s.params) for k, s in found.items()} == {
         "long_fn": (82, 0), "at_limit": (80, 0), "long_justified": (82, 0), "long_no_reason": (82, 0),
         "wide": (1, 9), "wide_varargs": (1, 9), "eight": (1, 8), "wide_justified": (1, 9),
-        "C.method": (1, 8), "C.wide_method": (3, 9), "C.wide_method.inner": (1, 9)}
+        "C.method": (1, 8), "C.static": (1, 9), "C.wide_method": (3, 9), "C.wide_method.inner": (1, 9)}
     fails = failures(list(found.values()), {})
     failing = sorted(f.split(": ")[0].split(" ")[1] for f in fails)
-    assert failing == ["C.wide_method", "C.wide_method.inner", "long_fn", "long_no_reason", "wide",
+    assert failing == ["C.static", "C.wide_method", "C.wide_method.inner", "long_fn", "long_no_reason", "wide",
                        "wide_varargs"], fails
     assert found["long_justified"].long_why.startswith("Long because the planted test")
     assert found["wide_justified"].many_why == "Many parameters because each one is a command-line option"
@@ -230,7 +234,7 @@ def test_pending_entries_are_reported_not_failed_and_cannot_go_stale():
     found = shapes(_planted(), "planted.py")
     pend = {"planted.py:long_fn": "x", "planted.py:wide": "x", "planted.py:C.wide_method": "x",
             "planted.py:C.wide_method.inner": "x", "planted.py:long_no_reason": "x",
-            "planted.py:wide_varargs": "x"}
+            "planted.py:wide_varargs": "x", "planted.py:C.static": "x"}
     assert failures(found, pend) == []
     assert "planted.py:1 long_fn: 82 lines, 0 parameters -- pending: x" in report(found, pend)
     stale = failures(found, {**pend, "planted.py:at_limit": "y", "planted.py:gone": "z"})
