@@ -262,19 +262,58 @@ def _refused(d: _Doc, reason: str, doc_id: str = "", T: int = 0) -> _Doc:
     return d
 
 
-def _process(d: _Doc, ctx: dict) -> _Doc:
-    """One document: read it (identity = its token ids), check it fits the model, score it once with the base
-    head (never a blind one), find its events and collateral, guard it (provenance, salad, CE, sampler, chat
-    structure) and report it."""
+@dataclass(frozen=True)
+class _Ctx:
+    """What every document's processing reads: the model, its vocabulary, the thresholds, the phrases' id tuples,
+    the collateral words (word -> id), the final-word ids and the base head pass (base_stats(dump, k))."""
+
+    weights: object
+    vocab: object
+    thresholds: object
+    phrases: list
+    words: dict
+    final_ids: np.ndarray  # [F] int64
+    base_stats: Callable
+
+
+def _read(path: Path):
+    """One document's file, read once: the dump fully validated (read_dump) and both its hashes (token ids:
+    identity; file bytes: provenance) computed. -> Dump, or the L47Error that refuses it."""
     from l47.dumps import read_dump
+
+    try:
+        dump = read_dump(path)
+    except L47Error as e:
+        return e
+    _ = dump.sha256, dump.file_sha256  # cached on the record: hashed here, on the reading thread
+    return dump
+
+
+def _read_ahead(paths: list, depth: int = 2):
+    """`_read` of every path, in order, by one worker thread that stays up to `depth` documents ahead of the
+    caller (hashing and validation release the GIL: the reads overlap the head passes and the guards)."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="l47-read") as ex:
+        pending = deque(ex.submit(_read, p) for p in paths[:depth])
+        for i in range(len(paths)):
+            got = pending.popleft().result()
+            if i + depth < len(paths):
+                pending.append(ex.submit(_read, paths[i + depth]))
+            yield got
+
+
+def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
+    """One document (`dump`: `_read`'s result): identity (its token ids), check it fits the model, score it once
+    with the base head (never a blind one), find its events and collateral, guard it (provenance, salad, CE,
+    sampler, chat structure) and report it."""
     from l47.dumps.select import find_collateral, find_events
     from l47.model.weights import check_dump_dims
 
-    w, vocab = ctx["weights"], ctx["vocab"]
-    try:
-        dump = read_dump(d.path)
-    except L47Error as e:
-        return _refused(d, f"unreadable dump: {e}")
+    w, vocab = ctx.weights, ctx.vocab
+    if isinstance(dump, L47Error):
+        return _refused(d, f"unreadable dump: {dump}")
     _identify(d, dump)
     try:
         check_dump_dims(w, dump.meta, str(d.path))
@@ -286,15 +325,15 @@ def _process(d: _Doc, ctx: dict) -> _Doc:
     if bad.size:
         return _refused(d, f"token id {int(bad[0])} outside the vocabulary ({vocab.size} ids)", dump.meta.doc_id,
                         dump.T)
-    events = find_events(tokens, ctx["phrases"], role)
-    collat = find_collateral(tokens, ctx["words"], ctx["phrases"], role)
+    events = find_events(tokens, ctx.phrases, role)
+    collat = find_collateral(tokens, ctx.words, ctx.phrases, role)
     # every readable document is scored once: base p at events / collateral, and CE (the not-a-proxy figure) —
     # except a blind document, which only `l47 audit --blind` may score, once (its structure is still checked)
     if d.set == "blind":
         stats, logp = None, np.full(dump.T, np.nan)  # [T]
         d.events, d.collateral = [], []
     else:
-        stats = ctx["base_stats"](dump, min(SAMPLER_TOPK, w.V) if d.set in GUARDED else 1)
+        stats = ctx.base_stats(dump, min(SAMPLER_TOPK, w.V) if d.set in GUARDED else 1)
         logp = stats.logp_target  # [T] f64
         d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
         d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
@@ -317,12 +356,12 @@ def _identify(d: _Doc, dump) -> None:
                                   if r in names.ROLE_ID and v == PROV_GENERATED)
 
 
-def _guard(d: _Doc, dump, tokens, role, stats, ctx):
+def _guard(d: _Doc, dump, tokens, role, stats, ctx: _Ctx):
     """Reasons to refuse the document: provenance and the natural-text guards (sets the solver or the audit's
     natural-text bars read), and the chat structure a chat set needs. -> (reasons, guard result, chat)."""
     from l47.dumps.select import chat_structure, guard_document, provenance_reasons
 
-    w, vocab, th = ctx["weights"], ctx["vocab"], ctx["thresholds"]
+    w, vocab, th = ctx.weights, ctx.vocab, ctx.thresholds
     meta = dump.meta
     chat = chat_structure(tokens, role, vocab.special_ids)
     reasons: list[str] = []
@@ -347,12 +386,12 @@ def _guard(d: _Doc, dump, tokens, role, stats, ctx):
     return reasons, guard, chat
 
 
-def _doc_report(d: _Doc, dump, logp, chat, guard, reasons, n_collateral: int, ctx) -> DocReport:
+def _doc_report(d: _Doc, dump, logp, chat, guard, reasons, n_collateral: int, ctx: _Ctx) -> DocReport:
     """The document's line of the sets report: CE over content targets (f64 mean), events and non-events,
     in-context copies, coverage, guard figures."""
     tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
     role = np.asarray(dump.role)  # [T]
-    thr = ctx["thresholds"].non_event_p
+    thr = ctx.thresholds.non_event_p
     T = dump.T
     n_ev = sum(1 for _, q in d.events if q >= thr)
     content_mask = role != names.ROLE_ID["template"]
@@ -361,7 +400,7 @@ def _doc_report(d: _Doc, dump, logp, chat, guard, reasons, n_collateral: int, ct
         m = content_mask if content_mask.any() else np.ones(T, dtype=bool)
         ce = float(-logp[m].mean())  # f64 mean over content targets
     cov = Coverage(
-        docs=1, positions=T, final_word_targets=int(np.isin(tokens[1:], ctx["final_ids"]).sum()),
+        docs=1, positions=T, final_word_targets=int(np.isin(tokens[1:], ctx.final_ids).sum()),
         collateral=n_collateral, special_targets=int(chat.special_target.sum()), turns=chat.n_turns,
         think_blocks=chat.n_think, terminal=chat.n_terminal, openers=int(chat.opener.sum()),
     )
@@ -541,21 +580,13 @@ def _warnings(exp, th, issues, docs, ev, col, phrases, words) -> list[str]:
     return warnings
 
 
-def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
-               progress: Callable[[str], None] | None = None, base_stats=None, ledger=None,
-               command: str = "sets") -> SetsReport:
-    """Mine, score, guard and split every document of an experiment. See the module docstring.
-    base_stats(dump, k) -> HeadStats (>= k top-k columns): the base head pass of a document; default one exact
-    pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once.
-    `ledger` (l47.data.ledger.Ledger): every document this scores (all but blind ones) is appended to it, by
-    content, against the base model, before the first score is computed."""
-    from l47.tail.forward import score_dump
-    from l47.dumps.select import phrases_to_tuples
+def _inputs(experiment, weights_or_model_path, vocab, device):
+    """The experiment, the base model's tail weights and its vocabulary; refuses an experiment without a model or
+    without phrases. -> (Experiment, TailWeights, Vocab)."""
     from l47.model.vocab import resolve_vocab
     from l47.model.weights import TailWeights, load_tail_weights
 
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
-    th = exp.thresholds
     src = weights_or_model_path if weights_or_model_path is not None else exp.model
     if src is None:
         raise L47Error(exp.path, "model", "a base GGUF (the experiment's `model` key or --model)", "none given")
@@ -563,38 +594,39 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     vocab = vocab if vocab is not None else resolve_vocab(exp.vocab, w.path, w.V)
     if not exp.phrases:
         raise L47Error(exp.path, "phrases", "at least one [[phrases]] entry", "none")
+    return exp, w, vocab
 
-    phrases, issues = phrases_to_tuples(exp.phrases, vocab)
-    warnings: list[str] = []
-    finals = sorted({t[-1] for pt in phrases for t in pt.tuples})
-    if exp.collateral_words:
-        words = {}
-        for wd in exp.collateral_words:
-            try:
-                words[wd] = vocab.id_of(wd)
-            except L47Error as e:
-                raise L47Error(exp.path, f"collateral.words {wd!r}", "a string that is one token of the model's "
-                               "vocabulary (mind the leading space)", e.found) from None
-    else:
-        words = {vocab.decode([i]): i for i in finals}
-    final_ids = np.array(sorted(set(finals) | set(words.values())), dtype=np.int64)
-    ctx = dict(weights=w, vocab=vocab, thresholds=th, phrases=phrases, words=words, final_ids=final_ids,
-               base_stats=base_stats or (lambda dump, k: score_dump(w, dump, topk=k)))
 
-    if ledger is not None:
-        from l47.data.ledger import dump_content_hashes
+def _collateral_words(exp: Experiment, vocab, phrases) -> dict[str, int]:
+    """word -> token id: the experiment's collateral words (each one token of the vocabulary), else the phrases'
+    final tokens."""
+    if not exp.collateral_words:
+        return {vocab.decode([i]): i for i in sorted({t[-1] for pt in phrases for t in pt.tuples})}
+    words = {}
+    for wd in exp.collateral_words:
+        try:
+            words[wd] = vocab.id_of(wd)
+        except L47Error as e:
+            raise L47Error(exp.path, f"collateral.words {wd!r}", "a string that is one token of the model's "
+                           "vocabulary (mind the leading space)", e.found) from None
+    return words
 
-        ledger.append(dump_content_hashes(p for s, p in exp.documents() if s != "blind").values(), w.model_sha256,
-                      command)
-    docs: list[_Doc] = []
-    for s, path in exp.documents():
+
+def _score_documents(exp: Experiment, ctx: _Ctx, progress) -> list[_Doc]:
+    """Every listed document processed (`_process`), in the experiment's order; the files are read ahead."""
+    listed = list(exp.documents())
+    docs = []
+    for (s, path), dump in zip(listed, _read_ahead([p for _, p in listed])):
         if progress:
             progress(f"{s}: {path}")
-        docs.append(_process(_Doc(s, path), ctx))
+        docs.append(_process(_Doc(s, path), dump, ctx))
+    return docs
 
-    # identity by content: copies refused; near-duplicates (content windows, chat markup and system prompts
-    # common to several documents excluded) split together, and refused as evidence when they share a window
-    # with a training document
+
+def _by_content(docs: list, exp: Experiment, th) -> tuple[dict | None, tuple]:
+    """Identity by content: copies refused; near-duplicates (content windows, chat markup and system prompts
+    common to several documents excluded) split together, and refused as evidence when they share a window
+    with a training document. -> (split info, overlaps)."""
     pairs = _copies(docs)
     span_docs: dict[tuple, int] = {}
     for d in docs:
@@ -609,9 +641,36 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     overlaps = tuple(Overlap(o.sha, o.set, str(o.path), k.sha, k.set, str(k.path), kind,
                              hit.n if hit is not None else 0, hit.start if hit is not None else -1,
                              hit.start_indexed if hit is not None else -1) for o, k, kind, hit in pairs)
-    ev, nev, col = _records(docs, th.non_event_p)
-    warnings += _warnings(exp, th, issues, docs, ev, col, phrases, words)
+    return split_info, overlaps
 
+
+def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, *, vocab=None, device="cpu",
+               progress: Callable[[str], None] | None = None, base_stats=None, ledger=None,
+               command: str = "sets") -> SetsReport:
+    """Mine, score, guard and split every document of an experiment. See the module docstring.
+    base_stats(dump, k) -> HeadStats (>= k top-k columns): the base head pass of a document; default one exact
+    pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once.
+    `ledger` (l47.data.ledger.Ledger): every document this scores (all but blind ones) is appended to it, by
+    content, against the base model, before the first score is computed."""
+    from l47.dumps.select import phrases_to_tuples
+    from l47.tail.forward import score_dump
+
+    exp, w, vocab = _inputs(experiment, weights_or_model_path, vocab, device)
+    th = exp.thresholds
+    phrases, issues = phrases_to_tuples(exp.phrases, vocab)
+    words = _collateral_words(exp, vocab, phrases)
+    finals = {t[-1] for pt in phrases for t in pt.tuples}
+    ctx = _Ctx(weights=w, vocab=vocab, thresholds=th, phrases=phrases, words=words,
+               final_ids=np.array(sorted(finals | set(words.values())), dtype=np.int64),
+               base_stats=base_stats or (lambda dump, k: score_dump(w, dump, topk=k)))
+    if ledger is not None:
+        from l47.data.ledger import dump_content_hashes
+
+        ledger.append(dump_content_hashes(p for s, p in exp.documents() if s != "blind").values(), w.model_sha256,
+                      command)
+    docs = _score_documents(exp, ctx, progress)
+    split_info, overlaps = _by_content(docs, exp, th)
+    ev, nev, col = _records(docs, th.non_event_p)
     return SetsReport(
         schema=SCHEMA, experiment=str(exp.path), name=exp.name, model=w.path, model_sha256=w.model_sha256,
         vocab=vocab.name, thresholds=th.to_dict(),
@@ -621,5 +680,5 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
                             for i in issues),
         collateral_words=dict(words), special_ids=dict(vocab.special_ids), docs=tuple(d.report for d in docs),
         events=tuple(ev), non_events=tuple(nev), collateral=tuple(col), split=split_info,
-        warnings=tuple(warnings), overlaps=overlaps,
+        warnings=tuple(_warnings(exp, th, issues, docs, ev, col, phrases, words)), overlaps=overlaps,
     )
