@@ -12,7 +12,9 @@ KTOP_UNROLL = tl.constexpr(8)  # top-k rounds unrolled up to this k (the scoring
 
 @triton.jit
 def _next_top(zz, it, cols, j, o, mrow, TV, TI, pid_n, lo, KTOP: tl.constexpr, BN: tl.constexpr):
-    """Top-k round j: the previous pick masked out, the next max with its lowest id stored."""
+    """Top-k round j: the previous pick masked out, the next max with its lowest id stored.
+    Many parameters because a Triton device function takes every pointer, index and compile-time constant it reads
+    as an argument (no structs)."""
     zz = tl.where(cols[None, :] == it[:, None], -float("inf"), zz)
     v, it = tl.max(zz, 1, return_indices=True, return_indices_tie_break_left=True)
     tl.store(TV + o * KTOP + j, v, mask=mrow)
