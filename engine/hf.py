@@ -337,28 +337,48 @@ def capture(model, input_ids, layer: int | None = None, *, ref_logits: bool = Fa
 
 
 def _filter_logits(z: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
-    """Temperature, top-k and top-p (nucleus) on one row of logits [V] (f64); removed entries → −inf."""
-    z = z / s.temperature
-    if 0 < s.top_k < z.numel():
-        kth = torch.topk(z, s.top_k).values[-1]
+    """Temperature, top-k and top-p (nucleus) on rows of logits [..., V] (f64), each row on its own; removed
+    entries → −inf. Row-wise ops only (division, top-k values, a stable sort, softmax and cumsum along V, a
+    scatter), so a row's result does not depend on the other rows of the batch."""
+    z = z / s.temperature  # [..., V]
+    V = z.shape[-1]
+    if 0 < s.top_k < V:
+        kth = torch.topk(z, s.top_k, dim=-1).values[..., -1:]  # [..., 1]
         z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
     if s.top_p < 1.0:
-        order = torch.argsort(z, descending=True, stable=True)  # [V] ties: lower id first
-        p = torch.softmax(z[order], -1)
+        order = torch.argsort(z, dim=-1, descending=True, stable=True)  # [..., V] ties: lower id first
+        zs = torch.gather(z, -1, order)  # [..., V] sorted
+        p = torch.softmax(zs, -1)
         keep = (torch.cumsum(p, -1) - p) < s.top_p  # smallest prefix whose mass reaches top_p (≥ 1 token)
-        drop = order[~keep]
-        z = z.clone()
-        z[drop] = -torch.inf
+        z = torch.empty_like(z).scatter_(-1, order, torch.where(keep, zs, torch.full_like(zs, -torch.inf)))
     return z
 
 
+def sample_rows(z: torch.Tensor, settings, gens) -> list[int]:
+    """One token per row of logits [B, V] under each row's sampler (f64 on the CPU, so a seed gives the same ids
+    everywhere): rows that share a sampler are filtered together (row-wise ops), each row then draws with its
+    own torch.Generator. A row's id depends only on its logits, its settings and its generator."""
+    z = z.detach().double().cpu()  # [B, V] f64
+    out = [0] * z.shape[0]
+    groups: dict[tuple, list[int]] = {}
+    for b, s in enumerate(settings):
+        groups.setdefault((s.temperature, s.top_p, s.top_k), []).append(b)
+    for rows in groups.values():
+        s = settings[rows[0]]
+        zr = z[rows]  # [b, V]
+        if s.temperature <= 0:
+            for b, t in zip(rows, torch.argmax(zr, -1).tolist()):
+                out[b] = int(t)
+            continue
+        p = torch.softmax(_filter_logits(zr, s), -1)  # [b, V] f64
+        for j, b in enumerate(rows):
+            out[b] = int(torch.multinomial(p[j], 1, generator=gens[b]))
+    return out
+
+
 def sample_next(z: torch.Tensor, s: SamplerSettings, gen: torch.Generator) -> int:
-    """One token from logits [V] under the sampler (f64 on the CPU, so a seed gives the same ids everywhere)."""
-    z = z.detach().double().cpu()
-    if s.temperature <= 0:
-        return int(torch.argmax(z))
-    p = torch.softmax(_filter_logits(z, s), -1)  # [V] f64
-    return int(torch.multinomial(p, 1, generator=gen))
+    """One token from logits [V] under the sampler (`sample_rows` on one row)."""
+    return sample_rows(z.reshape(1, -1), [s], [gen])[0]
 
 
 @torch.no_grad()
@@ -397,10 +417,11 @@ def batchable(model) -> bool:
 @torch.no_grad()
 def generate_batch(model, prompts, settings, where: str = "generate") -> list[list[int]]:
     """`generate` for several prompts at once: the prompts left-padded to one length (attention mask 0 on the
-    padding, positions counted from each prompt's first token), one forward per step for the whole batch, each
-    row sampled with its own seeded torch.Generator in f64 on the CPU. Same ids as `generate` one at a time for
-    the same seeds (rows never interact: attention, the recurrent layers and routing are per row; padded states
-    are zeroed). A row that stopped keeps riding along until the batch ends; its extra tokens are discarded.
+    padding, positions counted from each prompt's first token), one forward per step for the rows still
+    sampling, each row sampled with its own seeded torch.Generator in f64 on the CPU (`sample_rows`). Same ids
+    as `generate` one at a time for the same seeds (rows never interact: attention, the recurrent layers and
+    routing are per row; padded states are zeroed). A row that stops (stop id or its max_new_tokens) leaves the
+    batch: its rows of the cache are dropped (Cache.reorder_cache), so the next steps cost only the live rows.
 
     prompts   list of token id lists [B]
     settings  one SamplerSettings per prompt (max_new_tokens, seed, temperature, top_p, top_k, stop_ids)
@@ -413,38 +434,39 @@ def generate_batch(model, prompts, settings, where: str = "generate") -> list[li
         if not 0 < s.top_p <= 1:
             raise L47Error(where, "top_p", "in (0, 1]", str(s.top_p))
     ids = [_check_ids(model, p, where, 1) for p in prompts]
-    B = len(ids)
-    out: list[list[int]] = [[] for _ in range(B)]
-    live = [s.max_new_tokens > 0 for s in settings]
-    if not any(live):
+    out: list[list[int]] = [[] for _ in ids]
+    rows = [b for b, s in enumerate(settings) if s.max_new_tokens > 0]  # the batch's rows -> prompt index
+    if not rows:
         return out
     dev = next(model.parameters()).device
-    Lp = max(int(t.numel()) for t in ids)
-    x = torch.zeros(B, Lp, dtype=torch.long)  # [B, Lp] left-padded (id 0 under mask 0)
-    mask = torch.zeros(B, Lp, dtype=torch.long)  # [B, Lp] 1 on real tokens
-    for b, t in enumerate(ids):
-        x[b, Lp - t.numel():] = t
-        mask[b, Lp - t.numel():] = 1
+    Lp = max(int(ids[b].numel()) for b in rows)
+    x = torch.zeros(len(rows), Lp, dtype=torch.long)  # [B, Lp] left-padded (id 0 under mask 0)
+    mask = torch.zeros(len(rows), Lp, dtype=torch.long)  # [B, Lp] 1 on real tokens
+    for j, b in enumerate(rows):
+        x[j, Lp - ids[b].numel():] = ids[b]
+        mask[j, Lp - ids[b].numel():] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, Lp] each prompt's own positions 0..len-1
     gens = [torch.Generator().manual_seed(s.seed) for s in settings]
     o = model(x.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
     last = pos[:, -1]  # [B] position of each row's last token
-    for _ in range(max(s.max_new_tokens for s in settings)):
-        nxt = torch.zeros(B, 1, dtype=torch.long)  # [B, 1]
-        for b, s in enumerate(settings):
-            if not live[b]:
-                continue
-            t = sample_next(o.logits[b, -1], s, gens[b])
+    while True:
+        nxt = sample_rows(o.logits[:, -1], [settings[b] for b in rows], [gens[b] for b in rows])  # [B] ids
+        keep = []
+        for j, (b, t) in enumerate(zip(rows, nxt)):
             out[b].append(t)
-            nxt[b, 0] = t
-            live[b] = t not in s.stop_ids and len(out[b]) < s.max_new_tokens
-        if not any(live):
-            break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)  # [B, past + 1]
+            if t not in settings[b].stop_ids and len(out[b]) < settings[b].max_new_tokens:
+                keep.append(j)
+        if not keep:
+            return out
+        if len(keep) < len(rows):  # drop the rows that stopped: their cache rows, mask and positions
+            sel = torch.tensor(keep, dtype=torch.long)
+            o.cache.reorder_cache(sel.to(dev))
+            mask, last = mask[sel], last[sel]
+            rows, nxt = [rows[j] for j in keep], [nxt[j] for j in keep]
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], 1)  # [B', past + 1]
         last = last + 1
-        o = model(nxt.to(dev), attention_mask=mask.to(dev), position_ids=last[:, None].to(dev), cache=o.cache,
-                  use_cache=True)
-    return out
+        o = model(torch.tensor(nxt, dtype=torch.long)[:, None].to(dev), attention_mask=mask.to(dev),
+                  position_ids=last[:, None].to(dev), cache=o.cache, use_cache=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

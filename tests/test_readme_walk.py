@@ -1,12 +1,16 @@
 """The README's newcomer walk, run exactly as documented: every `l47` / `cd` line of the block after the
-`<!-- walk` marker in README.md, parsed from the README (not copied here), on the demo model saved as a
-transformers checkpoint folder with its own tokenizer.json, the demo's documents as the files a user fills in.
+`<!-- walk` marker in README.md, parsed from the README (not copied here), on a qwen4exp saved as a transformers
+checkpoint folder with its own tokenizer.json, documents of its own as the files a user fills in. Two checkpoints:
+the demo model, and model2 (docs/MODEL2.md: 3 layers, n 512, vocabulary 4,000 with the specials at ids 0-4, its
+own BPE and phrases) — a checkpoint the walk was not written for. For model2 the `init` line's `--phrase` /
+`--word` values are model2's five phrases and their final words (what a user types for their own model); every
+other word of every line is the README's.
 
 Reference: the verdicts the audit writes (report.json) and the exit codes; every command must exit 0 — export
 (its check against transformers passed), dumps (zero-proxy within 1e-4 nats for each document), sets, solve —
 and the two audits, whose exit code must be their report's verdict (1 exactly when a bar failed): at the walk's
-reduced size (32 prompts) the per-phrase bars have too few events to pass (docs/DEMO.md), so the walk checks that
-every step runs as written and that the verdicts are honest."""
+reduced size (32 demo prompts, 12 model2 prompts) the per-phrase bars have too few events to pass
+(docs/DEMO.md), so the walk checks that every step runs as written and that the verdicts are honest."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import json
 import re
 import shlex
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,18 +30,52 @@ from l47.app.cli import app
 from l47.app.demo import DATA, MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = 32  # the first 32 demo prompts, as tests/test_demo_e2e.py runs the demo (its verdicts are known to pass)
-FILL = {  # file the walk says to fill -> the demo's documents (collateral split alternately, as the demo does)
-    "prompts/chats.jsonl": ("prompts.jsonl", "first"),
-    "texts/collateral_anchor.jsonl": ("collateral.jsonl", 0),
-    "texts/collateral_eval.jsonl": ("collateral.jsonl", 1),
-    "texts/background.jsonl": ("background.jsonl", None),
-    "prompts/chat_heldout.jsonl": ("heldback_chat_prompts.jsonl", None),
-    "prompts/blind.jsonl": ("heldback_blind_prompts.jsonl", "one"),  # one blind chat
-    "texts/kld_ops_tools.jsonl": ("kld_ops_tools.jsonl", None),
-    "texts/kld_chat_json.jsonl": ("kld_chat_json.jsonl", None),
-    "texts/kld_prose.jsonl": ("kld_prose.jsonl", None),
-}
+M2 = ROOT / "l47" / "testing" / "model2"
+
+
+@dataclass(frozen=True)
+class WalkModel:
+    """A checkpoint the walk runs on: its GGUF (saved as a transformers folder), its documents (file the walk
+    says to fill -> (its documents, which of them)), and the phrases / final words a user names for it (None:
+    the README's own)."""
+
+    gguf: Path
+    data: Path
+    fill: dict
+    phrases: tuple[str, ...] | None = None
+    words: tuple[str, ...] | None = None
+
+
+def _models() -> dict[str, WalkModel]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_model2 as m2  # model2's phrases and final words, from the script that built it
+
+    demo = WalkModel(MODEL, DATA, {  # the first 32 demo prompts, as tests/test_demo_e2e.py runs the demo
+        "prompts/chats.jsonl": ("prompts.jsonl", slice(0, 32)),
+        "texts/collateral_anchor.jsonl": ("collateral.jsonl", slice(0, None, 2)),  # split alternately (demo)
+        "texts/collateral_eval.jsonl": ("collateral.jsonl", slice(1, None, 2)),
+        "texts/background.jsonl": ("background.jsonl", slice(None)),
+        "prompts/chat_heldout.jsonl": ("heldback_chat_prompts.jsonl", slice(None)),
+        "prompts/blind.jsonl": ("heldback_blind_prompts.jsonl", slice(0, 1)),  # one blind chat
+        "texts/kld_ops_tools.jsonl": ("kld_ops_tools.jsonl", slice(None)),
+        "texts/kld_chat_json.jsonl": ("kld_chat_json.jsonl", slice(None)),
+        "texts/kld_prose.jsonl": ("kld_prose.jsonl", slice(None)),
+    })
+    model2 = WalkModel(M2 / "model2.gguf", M2, {  # reduced size: generation is most of the walk's time
+        "prompts/chats.jsonl": ("prompts.jsonl", slice(0, 12)),
+        "texts/collateral_anchor.jsonl": ("collateral.jsonl", slice(0, 24, 2)),
+        "texts/collateral_eval.jsonl": ("collateral.jsonl", slice(1, 24, 2)),
+        "texts/background.jsonl": ("background.jsonl", slice(0, None, 3)),  # plain and chat documents
+        "prompts/chat_heldout.jsonl": ("prompts.jsonl", slice(56, 60)),  # prompts held back from the chats
+        "prompts/blind.jsonl": ("prompts.jsonl", slice(63, 64)),
+        "texts/kld_ops_tools.jsonl": ("kld_support.jsonl", slice(0, 3)),  # model2's three domains under the
+        "texts/kld_chat_json.jsonl": ("kld_order_json.jsonl", slice(0, 3)),  # README's set names
+        "texts/kld_prose.jsonl": ("kld_recipes.jsonl", slice(0, 3)),
+    }, tuple(m2.PHRASES), tuple(" " + w for w in m2.FINALS))
+    return {"demo": demo, "model2": model2}
+
+
+MODELS = _models()
 
 
 def walk_commands() -> list[list[str]]:
@@ -52,34 +92,49 @@ def walk_commands() -> list[list[str]]:
     return cmds
 
 
-def _checkpoint(folder: Path) -> Path:
-    """The demo model as a transformers checkpoint folder: its weights as the file holds them, its tokenizer."""
+def _checkpoint(m: WalkModel, folder: Path) -> Path:
+    """The model as a transformers checkpoint folder: its weights as the file holds them, its tokenizer."""
     from l47.engine.gguf_export import load_hf_from_gguf
 
-    load_hf_from_gguf(MODEL, policy="exact").save_pretrained(folder)
-    shutil.copy(DATA / "tokenizer.json", folder / "tokenizer.json")
+    load_hf_from_gguf(m.gguf, policy="exact").save_pretrained(folder)
+    shutil.copy(m.data / "tokenizer.json", folder / "tokenizer.json")
     return folder
 
 
-def _fill(exp: Path) -> None:
-    for rel, (src, parity) in FILL.items():
-        lines = [ln for ln in (DATA / src).read_text(encoding="utf-8").splitlines() if ln.strip()]
-        if parity == "first":
-            lines = lines[:PROMPTS]
-        elif parity == "one":
-            lines = lines[:1]
-        elif parity is not None:
-            lines = lines[parity::2]
+def _fill(m: WalkModel, exp: Path) -> None:
+    for rel, (src, which) in m.fill.items():
+        lines = [ln for ln in (m.data / src).read_text(encoding="utf-8").splitlines() if ln.strip()][which]
+        assert lines, (src, which)
         (exp / rel).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def test_readme_walk_runs_as_documented(tmp_path, monkeypatch):
-    cmds = walk_commands()
+def _own_phrases(words: list[str], m: WalkModel) -> list[str]:
+    """The `init` line with the model's own --phrase / --word values in place of the README's."""
+    if words[:2] != ["l47", "init"] or m.phrases is None:
+        return words
+    out, i = [], 0
+    while i < len(words):
+        if words[i] in ("--phrase", "--word"):
+            i += 2
+            continue
+        out.append(words[i])
+        i += 1
+    for ph in m.phrases:
+        out += ["--phrase", ph]
+    for w in m.words:
+        out += ["--word", w]
+    return out
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_readme_walk_runs_as_documented(model, tmp_path, monkeypatch):
+    m = MODELS[model]
+    cmds = [_own_phrases(c, m) for c in walk_commands()]
     names = [c[1] for c in cmds if c[0] == "l47"]
     for step in ("export", "init", "dump", "sets", "plan", "solve", "audit"):
         assert step in names, f"the walk lost its `l47 {step}` step"
     monkeypatch.chdir(tmp_path)
-    _checkpoint(tmp_path / "my-checkpoint")
+    _checkpoint(m, tmp_path / "my-checkpoint")
     runner = CliRunner()
     filled = False
     verdicts: list[bool] = []
@@ -88,7 +143,7 @@ def test_readme_walk_runs_as_documented(tmp_path, monkeypatch):
             monkeypatch.chdir(Path.cwd() / words[1])
             continue
         if words[1] == "dump" and not filled:  # the user fills in the files init listed
-            _fill(Path.cwd())
+            _fill(m, Path.cwd())
             filled = True
         args = []
         for w in words[1:]:  # the shell's glob expansion

@@ -229,27 +229,18 @@ def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role
     return _with_generation(doc, vocab, gen, p, new, mid, "hf")
 
 
-def _sample_batch(model, docs, vocab, gen: GenerateOptions, plain_role: str) -> dict[str, list[int]]:
+def _sample_batch(model, docs, prompts, gen: GenerateOptions) -> list[list[int]]:
     """The sampled turns of several documents in one padded batch (engine.hf.generate_batch: the same ids as one
-    at a time). A document whose prompt cannot be built is left out (its own render reports the error)."""
+    at a time); [] when the batch fails (e.g. an id outside the model: each document then fails on its own,
+    with its name)."""
     from l47.engine.hf import SamplerSettings, generate_batch
 
-    prompts, settings, ids = [], [], []
-    for doc in docs:
-        try:
-            p = _prompt(doc, vocab, gen, plain_role)
-        except L47Error:
-            continue
-        prompts.append(p.ids)
-        settings.append(SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
-                                        gen.top_k, tuple(p.stop)))
-        ids.append(doc.id)
-    if not prompts:
-        return {}
+    settings = [SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, d.id), gen.temperature, gen.top_p, gen.top_k,
+                                tuple(p.stop)) for d, p in zip(docs, prompts)]
     try:
-        return dict(zip(ids, generate_batch(model, prompts, settings)))
+        return generate_batch(model, [p.ids for p in prompts], settings)
     except L47Error:
-        return {}  # e.g. an id outside the model: each document then fails on its own, with its name
+        return []
 
 
 def _strata_document(job: "DumpJob", eng: "_LoadedEngine", doc, raw_dir: Path, source: dict):
@@ -626,44 +617,66 @@ def _plan_documents(job: DumpJob, vocab):
 
 
 def _dump_documents(job: DumpJob, eng: _LoadedEngine, docs, report: _Reporter) -> list[DocResult]:
-    """Every document in order, the hf engine's turns sampled a batch ahead; the folders this run created (and
-    the Strata contract folder) removed again when left empty, whatever happened."""
-    from l47.engine.hf import batchable
-
+    """Every document (results in input order), the hf engine's turns sampled a batch at a time; the folders this
+    run created (and the Strata contract folder) removed again when left empty, whatever happened."""
     made = _missing_dirs(job.out_dir)  # the folders this run creates (removed again if it ends with them empty)
     job.out_dir.mkdir(parents=True, exist_ok=True)
     raw_root = job.out_dir / STRATA_RAW
     raw_made = eng.sbin is not None and not raw_root.exists()
-    results: list[DocResult] = []
+    results: dict[int, DocResult] = {}
     try:
         report.start()
-        sampled: dict[str, list[int]] = {}
-        bs = job.batch if (job.generate is not None and eng.sbin is None and batchable(eng.model)) else 1
-        for k, doc in enumerate(docs):
-            if bs > 1 and k % bs == 0:  # the next batch's turns, sampled together (documents still to do)
-                sampled = _sample_ahead(job, eng, docs[k:k + bs])
-            report.document(doc.id)
-            try:
-                results.append(_dump_document(job, eng, doc, sampled.pop(doc.id, None), raw_root, report))
-            finally:
-                report.advance()
+        for group, sampled in _batches(job, eng, docs):
+            for k in group:
+                report.document(docs[k].id)
+                try:
+                    results[k] = _dump_document(job, eng, docs[k], sampled.get(k), raw_root, report)
+                finally:
+                    report.advance()
     finally:
         report.stop()
         if raw_made:
             _rmdir_if_empty(raw_root)
         for d in made:  # deepest first: a folder this run created and left empty (a refusal, an interrupt)
             _rmdir_if_empty(d)
-    return results
+    return [results[k] for k in sorted(results)]
 
 
 def _doc_hash(job: DumpJob, eng: _LoadedEngine, doc) -> str:
     return _input_hash(doc, eng.L, job.generate, job.ref_logits, job.topk, job.plain_role, eng.meta)
 
 
-def _sample_ahead(job: DumpJob, eng: _LoadedEngine, docs) -> dict[str, list[int]]:
-    """The sampled turns of the documents of a batch that still need a dump (two or more; else none)."""
-    todo = [d for d in docs if not _existing_matches(job.out_dir / dump_name(d.id), _doc_hash(job, eng, d), eng.mid)]
-    return _sample_batch(eng.model, todo, eng.vocab, job.generate, job.plain_role) if len(todo) > 1 else {}
+def _batches(job: DumpJob, eng: _LoadedEngine, docs):
+    """(document indices, {index: sampled turn}) in the order they are dumped. Without batched generation: one
+    document at a time, in input order. With it: first, one at a time, the documents that need no sampling here
+    (already dumped, or a prompt that cannot be built: their own render reports it); then the others sorted by
+    prompt length (least padding) in batches of `job.batch`, each batch's turns sampled together just before its
+    documents are dumped (a sampled turn depends only on its document: engine.hf.generate_batch)."""
+    from l47.engine.hf import batchable
+
+    bs = job.batch if (job.generate is not None and eng.sbin is None and batchable(eng.model)) else 1
+    if bs == 1:
+        yield from (([k], {}) for k in range(len(docs)))
+        return
+    todo: list[tuple[int, int, _Prompt]] = []  # (prompt length, index, prompt)
+    for k, doc in enumerate(docs):
+        p = None
+        if not _existing_matches(job.out_dir / dump_name(doc.id), _doc_hash(job, eng, doc), eng.mid):
+            try:
+                p = _prompt(doc, eng.vocab, job.generate, job.plain_role)
+            except L47Error:
+                pass
+        if p is None:
+            yield [k], {}
+        else:
+            todo.append((len(p.ids), k, p))
+    todo.sort(key=lambda t: (t[0], t[1]))
+    for i in range(0, len(todo), bs):
+        chunk = todo[i:i + bs]
+        idx = [k for _, k, _ in chunk]
+        turns = _sample_batch(eng.model, [docs[k] for k in idx], [p for _, _, p in chunk], job.generate) \
+            if len(chunk) > 1 else []
+        yield idx, dict(zip(idx, turns))
 
 
 def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | None, raw_root: Path,
