@@ -398,7 +398,7 @@ def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: flo
     out: list[int] = []
     if s.max_new_tokens == 0:
         return out
-    o = model(ids[None].to(dev), use_cache=True)
+    o = model(ids[None].to(dev), use_cache=True, logits_to_keep=1)  # the head on the last position only
     for _ in range(s.max_new_tokens):
         nxt = sample_next(o.logits[0, -1], s, gen)
         out.append(nxt)
@@ -447,7 +447,8 @@ def generate_batch(model, prompts, settings, where: str = "generate") -> list[li
         mask[j, Lp - ids[b].numel():] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, Lp] each prompt's own positions 0..len-1
     gens = [torch.Generator().manual_seed(s.seed) for s in settings]
-    o = model(x.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
+    o = model(x.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True,
+              logits_to_keep=1)  # [B, 1, V]: the head on the last position only (no [B, Lp, V])
     last = pos[:, -1]  # [B] position of each row's last token
     while True:
         nxt = sample_rows(o.logits[:, -1], [settings[b] for b in rows], [gens[b] for b in rows])  # [B] ids

@@ -150,6 +150,8 @@ def test_readme_walk_runs_as_documented(model, tmp_path, monkeypatch):
             hits = sorted(glob.glob(w)) if glob.has_magic(w) else []
             args += hits or [w]
         r = runner.invoke(app, args)
+        assert r.exception is None or isinstance(r.exception, SystemExit), \
+            f"{' '.join(words)} -> traceback\n{r.output[-3000:]}"  # an exit code, never an uncaught error
         if words[1] == "audit":  # a verdict is the model's, not the walk's: the exit code must be the report's
             rj = Path(args[args.index("--out") + 1]) / "report.json"
             assert rj.is_file(), f"{' '.join(words)} -> exit {r.exit_code}, no report\n{r.output[-3000:]}"

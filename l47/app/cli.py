@@ -259,7 +259,8 @@ def dump(
                                              "sequential | JSON {module: device} (accelerate)"),
     max_memory: Optional[str] = typer.Option(None, help="per-device caps, e.g. 0=70GiB,1=70GiB,cpu=200GiB"),
     offload_dir: Optional[Path] = typer.Option(None, help="folder for layers the device map puts on 'disk'"),
-    batch: int = typer.Option(16, help="hf engine: turns sampled together (same ids as one at a time)"),
+    batch: int = typer.Option(64, help="hf engine: turns sampled together (same ids as one at a time; "
+                               "l47.app.dumping.DEFAULT_BATCH)"),
 ):
     """Run an engine over documents -> dump files, with the zero-proxy check per document.\f
 

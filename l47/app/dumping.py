@@ -29,6 +29,7 @@ from l47.errors import L47Error
 
 ENGINES = ("hf", "strata")
 DEFAULT_TOLERANCE = {"hf": 1e-4, "strata": 1e-3}  # nats: f32 reference engine / Strata's fp16 prompt path
+DEFAULT_BATCH = 64  # generated turns sampled together (docs/BENCHMARKS.md: 16 -> 64 cut generation CPU by a third)
 DUMP_SUFFIX = ".safetensors"
 PENDING_SUFFIX = ".pending"
 REFUSED_SUFFIX = ".refused"
@@ -535,7 +536,7 @@ def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, lay
              generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
              tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
              plain_role: str = "assistant", topk: int = 8, split: str | None = None,
-             engine_bin=None, placement=None, batch: int = 16) -> DumpSummary:
+             engine_bin=None, placement=None, batch: int = DEFAULT_BATCH) -> DumpSummary:
     """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
 
     Many parameters on purpose: this is the keyword API of `l47 dump` that the CLI, the demo, export and the tests
