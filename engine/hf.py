@@ -338,19 +338,33 @@ def capture(model, input_ids, layer: int | None = None, *, ref_logits: bool = Fa
 
 def _filter_logits(z: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
     """Temperature, top-k and top-p (nucleus) on rows of logits [..., V] (f64), each row on its own; removed
-    entries → −inf. Row-wise ops only (division, top-k values, a stable sort, softmax and cumsum along V, a
-    scatter), so a row's result does not depend on the other rows of the batch."""
-    z = z / s.temperature  # [..., V]
+    entries → −inf. Row-wise ops only (division, top-k values, a stable order, softmax and cumsum along V, a
+    scatter), so a row's result does not depend on the other rows of the batch.
+
+    Top-p reads the row in descending order, ties by lower id (a stable sort). After a top-k cut only the m
+    finite entries need ordering (m ≥ top_k: ties at the k-th value stay): they are taken with topk, put in id
+    order, then stably sorted by value — the same first m entries as a stable sort of the whole row, whose
+    other entries are −inf either way, so the sorted row handed to softmax is the same, bit for bit, without
+    sorting all V (V = 248,320 at real size)."""
+    z = z / s.temperature  # [B, V]
     V = z.shape[-1]
+    m = V  # entries that can still be kept
     if 0 < s.top_k < V:
-        kth = torch.topk(z, s.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        kth = torch.topk(z, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
         z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
+        m = int(torch.isfinite(z).sum(-1).max())  # [B] -> max finite per row, >= top_k
     if s.top_p < 1.0:
-        order = torch.argsort(z, dim=-1, descending=True, stable=True)  # [..., V] ties: lower id first
-        zs = torch.gather(z, -1, order)  # [..., V] sorted
-        p = torch.softmax(zs, -1)
-        keep = (torch.cumsum(p, -1) - p) < s.top_p  # smallest prefix whose mass reaches top_p (≥ 1 token)
-        z = torch.empty_like(z).scatter_(-1, order, torch.where(keep, zs, torch.full_like(zs, -torch.inf)))
+        if m < V:
+            ids = torch.sort(torch.topk(z, m, dim=-1).indices, dim=-1).values  # [B, m] candidates, by id
+            head = torch.gather(ids, -1, torch.argsort(torch.gather(z, -1, ids), dim=-1, descending=True,
+                                                       stable=True))  # [B, m] by value, ties by lower id
+        else:
+            head = torch.argsort(z, dim=-1, descending=True, stable=True)  # [B, V]
+        zh = torch.gather(z, -1, head)  # [B, m] the sorted row's first m entries
+        zs = torch.cat([zh, torch.full_like(z[..., :V - head.shape[-1]], -torch.inf)], -1)  # [B, V] sorted row
+        p = torch.softmax(zs, -1)  # [B, V] f64
+        keep = ((torch.cumsum(p, -1) - p) < s.top_p)[..., :head.shape[-1]]  # [B, m] smallest prefix ≥ top_p
+        z = torch.full_like(z, -torch.inf).scatter_(-1, head, torch.where(keep, zh, torch.full_like(zh, -torch.inf)))
     return z
 
 

@@ -89,6 +89,8 @@ def test_sample_rows_row_independent(temperature, top_p, top_k):
     g = torch.Generator().manual_seed(3)
     z = torch.randn(9, 3000, generator=g, dtype=torch.float64) * 3  # [B, V] f64
     z[2, :50] = z[2, 0]  # ties at the top (the stable order breaks them by id)
+    z[3, 100:110] = torch.sort(z[3], descending=True).values[37]  # ties across the top-k cut: more than k kept
+    z[4, 7:] = -torch.inf  # fewer finite entries than top_k
     s = eng.SamplerSettings(1, 0, temperature, top_p, top_k)
     if temperature > 0:
         got = eng._filter_logits(z, s)  # [B, V]
