@@ -412,7 +412,7 @@ def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: flo
     out: list[int] = []
     if s.max_new_tokens == 0:
         return out
-    o = model(ids[None].to(dev), use_cache=True, logits_to_keep=1)  # the head on the last position only
+    o = model(ids[None].to(dev), use_cache=True)
     for _ in range(s.max_new_tokens):
         nxt = sample_next(o.logits[0, -1], s, gen)
         out.append(nxt)
@@ -434,8 +434,12 @@ def generate_batch(model, prompts, settings, where: str = "generate") -> list[li
     padding, positions counted from each prompt's first token), one forward per step for the rows still
     sampling, each row sampled with its own seeded torch.Generator in f64 on the CPU (`sample_rows`). Same ids
     as `generate` one at a time for the same seeds (rows never interact: attention, the recurrent layers and
-    routing are per row; padded states are zeroed). A row that stops (stop id or its max_new_tokens) leaves the
-    batch: its rows of the cache are dropped (Cache.reorder_cache), so the next steps cost only the live rows.
+    routing are per row; padded states are zeroed). The prefill computes the head on its last position only
+    (logits_to_keep=1: no [B, Lp, V]); those logits can differ from a full forward's last row in the last bits
+    (≤ 5e-6 seen on the demo and model2: another matmul shape), and a draw (argmax of p / q) changes only where
+    two candidates lie within that margin — none did on the demo's 181 prompts (docs/BENCHMARKS.md). A row that
+    stops (stop id or its max_new_tokens) leaves the batch: its rows of the cache are dropped
+    (Cache.reorder_cache), so the next steps cost only the live rows.
 
     prompts   list of token id lists [B]
     settings  one SamplerSettings per prompt (max_new_tokens, seed, temperature, top_p, top_k, stop_ids)
@@ -462,7 +466,7 @@ def generate_batch(model, prompts, settings, where: str = "generate") -> list[li
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, Lp] each prompt's own positions 0..len-1
     gens = [torch.Generator().manual_seed(s.seed) for s in settings]
     o = model(x.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True,
-              logits_to_keep=1)  # [B, 1, V]: the head on the last position only (no [B, Lp, V])
+              logits_to_keep=1)  # [B, 1, V]: the head on the last position only (no [B, Lp, V] at real V)
     last = pos[:, -1]  # [B] position of each row's last token
     while True:
         nxt = sample_rows(o.logits[:, -1], [settings[b] for b in rows], [gens[b] for b in rows])  # [B] ids
