@@ -262,3 +262,18 @@ def test_split_bf16_head_error_bound_and_check():
     assert decide_precision("auto", 1e-5, 1.9e-5, 64, "split-bf16") == ("split-bf16", "")
     assert decide_precision("auto", 1e-5, 1.9e-5, 64) == ("split-fp16", "")  # what "auto" tries on CUDA
     assert decide_precision("split-bf16", 1e-5, 9e-5, 64, "split-bf16")[0] == "split-bf16"
+
+
+@pytest.mark.parametrize("shape", [(37, 1000), (300, 8192), (5, 200_000)])
+def test_cpu_row_sums_are_the_f64_sums_bit_for_bit(shape):
+    """The accumulator's CPU row sums (cast block by block into an f64 buffer, l47.tail.stream.SUM_BLOCK) are
+    exactly torch's f64 sums of the f64-cast rows: the reference is the f64 sum of x.double() (tolerance 0: the
+    change is a faster cast, not another sum). Rows of a non-contiguous view too (the pair term sums z[:P])."""
+    from l47.tail.stream import VocabAccumulator
+
+    g = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(*shape, generator=g).mul_(8.0).exp_()  # [R, C] f32, finite, wide dynamic range (e^±40)
+    acc = VocabAccumulator(shape[0], "cpu")
+    assert torch.equal(acc._sum(x), x.double().sum(1))
+    view = x[:, 1:]
+    assert torch.equal(acc._sum(view), view.double().sum(1))
