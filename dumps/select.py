@@ -654,18 +654,31 @@ def provenance_reasons(provenance: Mapping | None, roles_present: Iterable[str],
     return out
 
 
+@dataclass(frozen=True)
+class GuardLimits:
+    """The natural-text guards' limits (an experiment's thresholds: salad_*, ce_proxy_frac, sampler_*)."""
+
+    ngram_n: int = 4  # word n-grams of the repeat rate
+    max_ngram_repeat: float = 0.4
+    max_dup_lines: float = 0.4
+    ce_proxy_frac: float = 0.5  # refuse base CE > ce_proxy_frac · ln V
+    max_sampler_violation_frac: float = 0.01
+    sampler_tol: float = 0.01
+
+
 def guard_document(text: str, *, logp_target=None, top_logp=None, role=None, provenance: Mapping | None = None,
-                   vocab_size: int, ngram_n: int = 4, max_ngram_repeat: float = 0.4, max_dup_lines: float = 0.4,
-                   ce_proxy_frac: float = 0.5, max_sampler_violation_frac: float = 0.01,
-                   sampler_tol: float = 0.01) -> GuardResult:
+                   vocab_size: int, limits: GuardLimits = GuardLimits()) -> GuardResult:
     """The salad / proxy / sampler guards for one document (provenance itself: `provenance_reasons`).
 
     text: the document's content (no chat markup). logp_target [T], top_logp [T, k]: base forward at
     temperature 1. role [T]. Refuses when the word n-gram repeat rate or the near-duplicate-line rate exceed
     their maxima, when base CE over content targets > ce_proxy_frac · ln V (a proxy sits near ln V, seed §3),
     or when more than max_sampler_violation_frac of the generated targets are outside the recorded sampler's
-    support.
+    support (all in `limits`).
     """
+    ngram_n, max_ngram_repeat, max_dup_lines = limits.ngram_n, limits.max_ngram_repeat, limits.max_dup_lines
+    ce_proxy_frac, max_sampler_violation_frac = limits.ce_proxy_frac, limits.max_sampler_violation_frac
+    sampler_tol = limits.sampler_tol
     reasons = []
     ng = ngram_repeat_rate(text, ngram_n)
     dl = dup_line_rate(text)
@@ -703,5 +716,5 @@ __all__ = [
     "window_hashes", "WindowHit", "WindowIndex", "Collateral", "find_collateral", "ChatStructure", "chat_structure",
     "SplitResult", "phrase_split_counts", "split_documents", "ngram_repeat_rate", "dup_line_rate", "SamplerCheck",
     "sampler_violations",
-    "GuardResult", "provenance_reasons", "guard_document",
+    "GuardResult", "GuardLimits", "provenance_reasons", "guard_document",
 ]

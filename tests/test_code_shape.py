@@ -41,9 +41,6 @@ PENDING = {
     "l47/app/dumping.py:run_dump": "newcomer (issue 15) owns l47/app/dumping.py; 18 parameters -> a context object",
     "engine/hf.py:generate": "newcomer (issue 15) owns engine/; 9 parameters",
     "engine/strata.py:run_strata": "newcomer (issue 15) owns engine/; 10 parameters",
-    "l47/tail/fused.py:combine": "perf (issue 16) owns l47/tail/fused.py; 9 parameters",
-    "dumps/select.py:guard_document": "12 parameters -> a limits object; its one caller is l47/data/sets.py "
-                                      "(perf, issue 16)",
 }
 
 

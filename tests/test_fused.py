@@ -82,7 +82,7 @@ def test_tile_partials_combine_match_dense(integer):
     tile, k, chunk = 64, 5, 640  # chunks are whole tiles; the last tile is partial (2000 = 31·64 + 16)
     got = [fused.torch_partials(z32[:, lo:lo + chunk], P, tile, k, lo) for lo in range(0, V, chunk)]
     parts = [torch.cat([p[i] for p in got], 1) for i in range(6)]
-    lse, tv, ti, ent, kl = fused.combine(*parts, k, P, True)
+    lse, tv, ti, ent, kl = fused.combine(parts, k, P, True)
     z = z32.double()
     ls = torch.log_softmax(z, -1)
     p = ls.exp()

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from l47.model import names
-from l47.dumps.select import (PhraseTuples, chat_structure, dup_line_rate, find_collateral, find_events,
-                              guard_document, ngram_repeat_rate, occurrences, phrase_tuples, phrases_to_tuples,
-                              provenance_reasons, sampler_violations, split_documents)
+from l47.dumps.select import (GuardLimits, PhraseTuples, chat_structure, dup_line_rate, find_collateral,
+                              find_events, guard_document, ngram_repeat_rate, occurrences, phrase_tuples,
+                              phrases_to_tuples, provenance_reasons, sampler_violations, split_documents)
 from l47.model.vocab import vocab_qwen36
 
 R = names.ROLE_ID
@@ -344,12 +344,12 @@ def test_greedy_sampler_and_guard_integration():
                                                      "sampler": {"temperature": 0.0, "top_p": 1.0, "top_k": 0}}}
     lp = logp[np.arange(T), tgt]
     g = guard_document(NATURAL, logp_target=lp, top_logp=top, role=role, provenance=prov, vocab_size=300,
-                       ce_proxy_frac=10)
+                       limits=GuardLimits(ce_proxy_frac=10))
     assert g.ok and g.sampler.checked == T
     lp2 = lp.copy()
     lp2[::10] = top[::10, 1]  # every 10th token is the runner-up: not greedy
     g = guard_document(NATURAL, logp_target=lp2, top_logp=top, role=role, provenance=prov, vocab_size=300,
-                       ce_proxy_frac=10)
+                       limits=GuardLimits(ce_proxy_frac=10))
     assert not g.ok and "outside the recorded sampler" in g.reasons[0] and len(g.sampler.violations) == 10
 
 

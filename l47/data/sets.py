@@ -361,7 +361,7 @@ def _identify(d: _Doc, dump) -> None:
 def _guard(d: _Doc, dump, tokens, role, stats, ctx: _Ctx):
     """Reasons to refuse the document: provenance and the natural-text guards (sets the solver or the audit's
     natural-text bars read), and the chat structure a chat set needs. -> (reasons, guard result, chat)."""
-    from l47.dumps.select import chat_structure, guard_document, provenance_reasons
+    from l47.dumps.select import GuardLimits, chat_structure, guard_document, provenance_reasons
 
     w, vocab, th = ctx.weights, ctx.vocab, ctx.thresholds
     meta = dump.meta
@@ -372,12 +372,12 @@ def _guard(d: _Doc, dump, tokens, role, stats, ctx: _Ctx):
         present = sorted({names.ROLES[int(r)] for r in np.unique(role)})
         reasons += provenance_reasons(meta.provenance, present, w.model_sha256, meta.model)
         content = tokens[1:][role != names.ROLE_ID["template"]]  # [T'] the document's words, no chat markup
-        guard = guard_document(
-            vocab.decode(content.tolist()), logp_target=stats.logp_target, top_logp=stats.top_logp, role=role,
-            provenance=meta.provenance, vocab_size=w.V, ngram_n=th.salad_ngram,
-            max_ngram_repeat=th.salad_max_ngram_repeat, max_dup_lines=th.salad_max_dup_lines,
-            ce_proxy_frac=th.ce_proxy_frac, max_sampler_violation_frac=th.sampler_max_violation_frac,
-            sampler_tol=th.sampler_tol)
+        limits = GuardLimits(ngram_n=th.salad_ngram, max_ngram_repeat=th.salad_max_ngram_repeat,
+                             max_dup_lines=th.salad_max_dup_lines, ce_proxy_frac=th.ce_proxy_frac,
+                             max_sampler_violation_frac=th.sampler_max_violation_frac, sampler_tol=th.sampler_tol)
+        guard = guard_document(vocab.decode(content.tolist()), logp_target=stats.logp_target,
+                               top_logp=stats.top_logp, role=role, provenance=meta.provenance, vocab_size=w.V,
+                               limits=limits)
         reasons += list(guard.reasons)
     if d.set in CHAT_REQUIRED:
         lacks = [n for n, v in (("turns", chat.n_turns), ("<think> block", chat.n_think),

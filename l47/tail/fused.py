@@ -105,9 +105,11 @@ def torch_partials(z: torch.Tensor, pairs: int, tile: int, k: int, lo: int = 0):
     return m, s, sz, A, top_v, top_i
 
 
-def combine(m, s, sz, A, top_v, top_i, k: int, pairs: int, entropy: bool):
-    """Fold tile partials (concatenated over tiles in id order, [R, NT]) into the Streamed fields (f64):
+def combine(parts, k: int, pairs: int, entropy: bool):
+    """Fold tile partials `parts` = (m, s, sz, A, top_v, top_i) as the producers return them (concatenated over
+    tiles in id order, [R, NT]; A None or unused without pairs) into the Streamed fields (f64):
     (lse [R], top_v [R, k] f32, top_i [R, k] int64, entropy [R] | None, kl [P] | None)."""
+    m, s, sz, A, top_v, top_i = parts
     mm = m.amax(1)  # [R] exact
     w = torch.exp(m.double() - mm.double()[:, None])  # [R, NT] f64 rescale of each tile
     sd = (w * s.double()).sum(1)  # [R]
@@ -210,7 +212,7 @@ class ReducePartials:
 
     def result(self, entropy: bool):
         m, s, sz, A, tv, ti = self.parts
-        return combine(m, s, sz, A if self.P else None, tv, ti, self.k, self.P, entropy)
+        return combine((m, s, sz, A if self.P else None, tv, ti), self.k, self.P, entropy)
 
 
 def split_fp16_partials(xp, hp, pairs: int, k: int, z_out: torch.Tensor | None = None, cfg: dict | None = None):

@@ -347,7 +347,7 @@ def _stream_fused(mix, head, num, chunk, topk, entropy, pairs) -> Streamed:
         return _cat_streamed(parts, pairs)
     if num.used == "split-fp16":
         p = fused.split_fp16_partials(fused.split_fp16(mix), _head_parts(head, num, "split-fp16"), pairs, topk)
-        lse, tv, ti, ent, kl = fused.combine(*p, topk, pairs, entropy)
+        lse, tv, ti, ent, kl = fused.combine(p, topk, pairs, entropy)
     else:
         V = head.shape[0]
         chunk = -(-chunk // fused.REDUCE_BN) * fused.REDUCE_BN  # a whole number of tiles

@@ -45,7 +45,7 @@ hp = stream._head_parts(w.head, num, "split-fp16")
 for k in (64, 5):
     z = torch.empty(64, w.V, device="cuda")
     parts = fused.split_fp16_partials(fused.split_fp16(xs), hp, 0, k, z_out=z)
-    lse, tv, ti, ent, kl = fused.combine(*parts, k, 0, True)
+    lse, tv, ti, ent, kl = fused.combine(parts, k, 0, True)
     rv, ri = stream._topk_lowest_id(z, k)
     res[f"split_kernel_vs_own_logits_k{k}"] = r = dict(top_i_equal=bool(torch.equal(ti, ri)),
                                                        top_v_equal=bool(torch.equal(tv, rv)),
