@@ -49,7 +49,8 @@ DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries st
 CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check
 SPLIT_MAX_RATIO = 2.0  # a split precision is kept only if its max |logit error| ≤ 2× the f32 path's on the check rows
 AUTO_SPLIT = "split-fp16"  # what "auto" tries on CUDA
-SUM_BLOCK = 1 << 17  # CPU: elements per f64 block of VocabAccumulator._sum (1 MiB: in cache; one short parallel op)
+SUM_BLOCK = 32767  # CPU: elements per f64 block of VocabAccumulator._sum: below torch's parallel grain (32,768), so
+# each block runs on the calling thread — no OpenMP region to stall at when other processes share the cores
 FUSED = True  # use l47.tail.fused where it can run (CUDA + Triton); the bench switches it off for comparisons
 
 
