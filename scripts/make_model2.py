@@ -439,6 +439,29 @@ def build_eval_docs(seed: int) -> dict[str, list[dict]]:
     return out
 
 
+COLLATERAL_EXTRA_PER_WORD = 64  # more ordinary uses per final word, so collateral_eval (every other document) holds
+# well over bar (d)'s counts (≥ 10 per word, ≥ 200 in all)
+
+
+def extra_collateral(seed: int, start: int, train: list[dict]) -> list[dict]:
+    """Collateral documents from their own seed stream, drawn AFTER the training corpus so it (and the model)
+    stay as they were: a document sharing a paragraph with training is skipped, so they are unseen too."""
+    rc = random.Random(f"model2:{seed}:collateral-extra")
+    seen = set().union(*(dc.paragraphs(d["text"], 12) for d in train))
+    out, counts = [], {w: 0 for w in FINALS}
+    while min(counts.values()) < COLLATERAL_EXTRA_PER_WORD:
+        u = rc.random()
+        doc = {"text": recipe(rc)} if u < 0.45 else {"text": review(rc, 0.0)} if u < 0.8 else \
+            {"messages": support_chat(rc, phrases=())}
+        text = dc.doc_text(doc)
+        if any(count_banned(text).values()) or dc.paragraphs(text, 12) & seen:
+            continue
+        for w, c in count_ordinary(text).items():
+            counts[w] += c
+        out.append({"id": f"m2-collateral-{start + len(out):03d}", **doc})
+    return out
+
+
 def build_corpus(out_dir: Path, data_dir: Path, seed: int, n_chars: int) -> dict:
     ev = build_eval_docs(seed)
     forb = {p for rows in ev.values() for d in rows for p in dc.paragraphs(dc.doc_text(d), 12)}
@@ -451,6 +474,7 @@ def build_corpus(out_dir: Path, data_dir: Path, seed: int, n_chars: int) -> dict
             continue
         train.append({"id": f"m2-train-{len(train):06d}", "kind": kind, "text": text})
         total += len(text)
+    ev["collateral"] += extra_collateral(seed, len(ev["collateral"]), train)
     for name, rows in ev.items():
         dc._write_jsonl(data_dir / f"{name}.jsonl", rows)
     dc._write_jsonl(out_dir / "train.jsonl", train)

@@ -5,10 +5,12 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
 
     L(ΔW) =  mean_phrase mean_{e ∈ phrase} τ·softplus((Δo_e + d_e) / τ)                     target hinge (nats)
            + λ · mean_{b ∈ background} KL(p⁰_b ‖ p_b) / budget                              exact, full vocabulary
-           + λ_cond · mean_{e ∈ events ∪ near misses} KL(q⁰_e ‖ q_e) / budget               only r's mass moves
+           + λ_shape · mean_{e ∈ events} KL(q⁰_e ‖ q_e) / budget                             the freed mass's shape
+           + λ_cond · mean_{m ∈ near misses} KL(q⁰_m ‖ q_m) / budget                         only r's mass moves
            + λ_coll · mean_group mean_{a ∈ group} (min(Δℓ_a, 0) / tol_group)²                soft anchors
            + λ_special · mean_e max(Δ Σ_s p_s, 0) / tol_special                               no special-token rise
-           + λ_special · mean_{b ∈ background} max(Δ log Σ_s p_s, 0)                         ... anywhere (flips)
+           + λ_special · mean_{b ∈ background} max(Δ log Σ_s p_s, 0)                         ... anywhere
+           + λ_flip · Σ_{t ∈ near ties} (max(−Δ(z_t1 − z_t2), 0) / max(z⁰_t1 − z⁰_t2, 0.05))²   no flip (bar (f))
            + λ_ridge · ‖ΔW‖² / ‖W‖²
   o_e = z_r − log Σ_{v ∈ S_e} exp z_v, the log-odds of r against S_e (the base top-K without r and the special
   tokens): it never saturates (∂o/∂z_r = 1 where ∂ℓ_r/∂z_r = 1 − p_r ≈ 0 at a near-certain token), and as
@@ -21,6 +23,8 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
   (d)'s word mean|, and the real turn ends, tol = |bar (f)'s mean Δlog p(<|im_end|>)|; tol_special is bar (f)'s
   allowed rise of Σ p(special) at slop positions (a hinge on the log-probs instead held the special tokens'
   SHARE of the freed mass at zero: a near-certain token could then not lose its mass at all).
+  Near ties are the background rows and real turn ends whose base top two tokens t1, t2 are one special token and
+  one word within flip_margin nats: where bar (f) counts flips (to or away from a special token).
   The "margin" objective (expert option) replaces the target hinge by the seed's preference term
   τ·softplus((Δ(ℓ_r − ℓ_c) + margin·scale_e)/τ) against chosen natural alternatives c.
 
@@ -50,9 +54,11 @@ import torch
 import torch.nn.functional as F
 
 from l47.data import record as rec
+from l47.model import names
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix, event_logps
 from l47.tail.forward import head_stats, logits_at, logp_at, streamed_kl, streamed_lse
+from l47.tail.stream import stream_head
 
 OBJECTIVES = ("target", "margin")
 
@@ -69,12 +75,17 @@ class FtpoConfig:
     key_rank: int = 8  # per phrase: ΔW = U·Qᵀ acts on the phrase's key directions only (0: every direction of f)
     steps: int = 400
     lambda_kl: float = 1.0  # initial λ on background KL / budget; doubled whenever the exact KL exceeds the budget
-    lambda_cond: float = 1.0  # weight of the conditional tether KL / budget at events and near misses
+    lambda_cond: float = 1.0  # weight of the conditional tether KL / budget at near misses
+    lambda_shape: float = 0.1  # ... at events (the freed mass's shape; no bar judges it, and at 1.0 its stiffness
+    # slowed the near-certain phrases ~3×)
     lambda_coll: float = 4.0
     lambda_special: float = 1.0
+    lambda_flip: float = 1.0  # weight of the near-tie guard (bar (f)'s flips; _NearTies)
+    flip_margin: float = 1.0  # nats: a special token this close to the argmax (or the turn end to a word) is guarded
     lambda_ridge: float = 0.0
     tether_topk: int = 32  # K of the conditional tether at events and near misses
     background_batch: int = 512  # background positions per step (rotating); the exact KL uses all of them
+    anchor_batch: int = 256  # soft anchors per step (rotating; 0: all)
     eval_every: int = 10
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
     seed: int = 0
@@ -214,6 +225,16 @@ def key_basis(hh_ev: torch.Tensor, group: torch.Tensor, hh_bg: torch.Tensor, k: 
     return Q[:, keep]
 
 
+def background_scales(hh_bg: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """s_k = rms‖h‖/√f ÷ rms_b (Qᵀh_b)_k  [K] (f64 inside, f32 out): with ΔW = U·(Q·diag s)ᵀ a step of one size in
+    any column of U moves the background's ys alike (the background KL, the stiffest term, is then about
+    isotropic in U; Adam steps in parameter units). Measured on the demo: the same removal ~20 % sooner."""
+    H = hh_bg.double()  # [B, f]
+    e = (H @ Q.double()).pow(2).mean(0).sqrt()  # [K]
+    ref = H.pow(2).sum(1).mean().sqrt() / math.sqrt(H.shape[1])
+    return (ref / e.clamp_min(1e-6 * ref)).float()
+
+
 def _phrase_residuals(p0: np.ndarray, p1: np.ndarray, phrase: list[str]) -> dict[str, float]:
     """phrase -> Σ p1 / Σ p0 over its events (f64)."""
     out: dict[str, float] = {}
@@ -228,168 +249,279 @@ def _removal_score(res: dict[str, float], target: float) -> float:
     return float(np.mean([math.log(max(v, target)) for v in res.values()])) if res else 0.0
 
 
+class _NearTies:
+    """Bar (f)'s flips, guarded where they can happen: the background rows and real turn ends whose base top two
+    tokens are one special and one not, within `margin` nats (a special token next to the argmax, or the turn end
+    next to a word). The guard costs (shrink of the gap / its base size)² per row, summed: a flip costs about 1,
+    a small shrink of a wide gap next to nothing. Only gathered logits: no pass over the vocabulary."""
+
+    def __init__(self, rows: list[Batch], w: TailWeights, special: torch.Tensor, margin: float):
+        self.b, self.ids, self.gap0 = None, None, None
+        keep_b, keep_ids, keep_gap = [], [], []
+        with torch.no_grad():
+            for b in rows:
+                mix0 = batch_mix(b, w)
+                st = head_stats(mix0, w, b.target.cpu().numpy(), topk=2)
+                top = torch.as_tensor(st.top_ids[:, :2], device=mix0.device)  # [P, 2]
+                is_sp = torch.isin(top, special.to(mix0.device))  # [P, 2]
+                gap = torch.as_tensor(st.top_logp[:, 0] - st.top_logp[:, 1], device=mix0.device)  # [P] ≥ 0
+                m = (is_sp[:, 0] != is_sp[:, 1]) & (gap < margin)
+                if m.any():
+                    idx = torch.nonzero(m)[:, 0]
+                    keep_b.append(_rows(b, idx))
+                    keep_ids.append(top[idx])
+                    keep_gap.append(gap[idx].clamp_min(0.05).float())
+        if keep_b:
+            self.b = keep_b[0] if len(keep_b) == 1 else _cat(keep_b)
+            self.ids, self.gap0 = torch.cat(keep_ids), torch.cat(keep_gap)  # [N, 2], [N]
+            with torch.no_grad():
+                z = logits_at(batch_mix(self.b, w), w, self.ids)  # [N, 2]
+                self.d0 = z[:, 0] - z[:, 1]  # [N]
+
+    @property
+    def n(self) -> int:
+        return 0 if self.b is None else self.b.P
+
+    def cost(self, w: TailWeights, dW: torch.Tensor) -> torch.Tensor:
+        z = logits_at(batch_mix(self.b, w, dW=dW), w, self.ids)  # [N, 2]
+        shrink = F.relu(self.d0 - (z[:, 0] - z[:, 1]))  # [N]
+        return ((shrink / self.gap0) ** 2).sum()
+
+
+def _cat(bs: list[Batch]) -> Batch:
+    return Batch(**{k: torch.cat([getattr(b, k) for b in bs]) for k in ("R", "inj", "hh", "sgv", "yr", "target")},
+                 doc=(), pos=())
+
+
+class _Objective:
+    """L(ΔW) of the module docstring at chosen background rows; every base-model quantity computed once (f32
+    forward, f64 vocabulary reductions)."""
+
+    def __init__(self, w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: torch.Tensor):
+        self.w, self.pb, self.cfg, self.ev_group = w, pb, cfg, ev_group
+        dev_, ev, terms = w.device, pb.events, pb.terms
+        self.W_sq = float(w.W_sd.pow(2).sum())
+        self.special = terms.special.to(dev_)
+        with torch.no_grad():
+            mix0_ev = batch_mix(ev, w)
+            self.base = event_logps(mix0_ev, w, terms)
+            self.p0_ev = self.base["rejected"].double().exp().cpu().numpy()  # [E]
+            self.need = torch.as_tensor(needed_drop(self.p0_ev, cfg.aim * pb.target_residual), device=dev_)  # [E]
+            self.mass0_special = self.base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
+            self.mix0_bg = batch_mix(pb.background, w)  # [B, n]
+            st = stream_head(self.mix0_bg, w.head, w.numerics, entropy=True, mu=True)
+            self.mu0_bg = st.mu.to(dev_)  # [B, n] f64  E_p⁰[W_out]: the step's KL needs one pass, not four
+            self.negH0_bg = -st.entropy.to(dev_)  # [B] f64  Σ p⁰ log p⁰
+            self.lse0_bg = st.lse.to(dev_)  # [B] f64
+            self.lm0_special = (self._log_special_mass(self.mix0_bg, self.lse0_bg)
+                                if self.special.numel() else None)  # [B]
+            self.lp0_an = self.an_group = self.an_tol = None
+            if pb.anchors is not None and pb.anchors.P:
+                self.lp0_an = logp_at(batch_mix(pb.anchors, w), w, pb.anchors.target)  # [A]
+                gi = {g: i for i, g in enumerate(sorted(set(pb.anchor_group)))}
+                self.an_group = torch.as_tensor([gi[g] for g in pb.anchor_group], device=dev_)
+                self.an_tol = torch.as_tensor(pb.anchor_tol, dtype=torch.float32, device=dev_)
+        self.an_rows = _Rotation(0 if self.lp0_an is None else pb.anchors.P, cfg.anchor_batch, cfg.seed + 1, dev_)
+        self.teth_ev = _Tether(ev, w, terms.rejected, self.special, cfg.tether_topk)
+        with torch.no_grad():
+            self.o0 = log_odds(logits_at(mix0_ev, w, terms.rejected[:, None])[:, 0], self.teth_ev.z0,
+                               self.teth_ev.keep)  # [E]
+        self.teth_near = (_Tether(pb.near, w, pb.near_banned, self.special, cfg.tether_topk)
+                          if pb.near is not None and pb.near.P else None)
+        ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+        tie_rows = [pb.background] + ([_rows(pb.anchors, torch.as_tensor(ends, device=dev_))] if ends else [])
+        self.ties = (_NearTies(tie_rows, w, self.special, cfg.flip_margin)
+                     if self.special.numel() and cfg.lambda_flip > 0 else None)
+
+    def _log_special_mass(self, mix: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """log Σ_s p_s per row [B] given the rows' log-sum-exp."""
+        ids = self.special.expand(mix.shape[0], -1)
+        return torch.logsumexp(logits_at(mix, self.w, ids), 1).double() - lse
+
+    def step_kl(self, mix: torch.Tensor, rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """KL(p⁰ ‖ p) per background row [m] for the step (f64): Σ p⁰ log p⁰ − μ⁰·mix + lse(mix), since
+        Σ_v p⁰_v z_v = μ⁰·mix. Its gradient −μ⁰ + μ is exact; its value is a difference of O(lse) terms (f32 lse:
+        ~1e-6 absolute), so the exact KL that judges candidates is `streamed_kl`, never this."""
+        return self.negH0_bg[rows] - (self.mu0_bg[rows] * mix.double()).sum(1) + lse.double()
+
+    def __call__(self, dW: torch.Tensor, rows: torch.Tensor, lam: float) -> tuple[torch.Tensor, dict]:
+        """(loss, its parts as floats) at ΔW [n, f] with the background rows `rows` [m]."""
+        w, pb, cfg, terms = self.w, self.pb, self.cfg, self.pb.terms
+        mix = batch_mix(pb.events, w, dW=dW)  # [E, n]
+        lp = event_logps(mix, w, terms)
+        z_s = logits_at(mix, w, self.teth_ev.ids)  # [E, K]
+        if cfg.objective == "target":
+            o = log_odds(logits_at(mix, w, terms.rejected[:, None])[:, 0], z_s, self.teth_ev.keep)  # [E]
+            pref = per_group_mean(target_hinge(o - self.o0, self.need, cfg.taper), self.ev_group).float()
+        else:
+            gap = (lp["rejected"] - self.base["rejected"])[:, None] - (lp["chosen"] - self.base["chosen"])  # [E, kc]
+            pref = (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
+        mix_bg = batch_mix(_rows(pb.background, rows), w, dW=dW)  # [m, n]
+        lse_bg = streamed_lse(mix_bg, w)  # [m] the one vocabulary pass of the background rows
+        kl_bg = self.step_kl(mix_bg, rows, lse_bg).mean().float()
+        special_t = mix.new_zeros(())
+        if self.special.numel():  # no rise of Σ p(special) at events, nor of its log anywhere in the background
+            special_t = (F.relu(lp["special"].exp().sum(1) - self.mass0_special).mean() / pb.special_tol
+                         + F.relu(self._log_special_mass(mix_bg, lse_bg) - self.lm0_special[rows]).mean().float())
+        cond = cfg.lambda_shape * self.teth_ev.kl(mix, w, z_s).mean().float()  # events: the freed mass's shape
+        if self.teth_near is not None:  # near misses: the natural continuation keeps its share
+            cond = cond + cfg.lambda_cond * self.teth_near.kl(batch_mix(pb.near, w, dW=dW), w).mean().float()
+        coll = mix.new_zeros(())
+        if self.lp0_an is not None:
+            a = self.an_rows()  # a rotating subset of the anchors
+            dlp = logp_at(batch_mix(_rows(pb.anchors, a), w, dW=dW), w, pb.anchors.target[a]) - self.lp0_an[a]  # [a]
+            coll = per_group_mean(soft_anchor(dlp, self.an_tol[a]), self.an_group[a])
+        flip = self.ties.cost(w, dW) if self.ties is not None and self.ties.n else mix.new_zeros(())
+        loss = (pref + lam * kl_bg / pb.kl_budget + cond / pb.kl_budget + cfg.lambda_flip * flip
+                + cfg.lambda_coll * coll + cfg.lambda_special * special_t
+                + cfg.lambda_ridge * dW.pow(2).sum() / self.W_sq)
+        parts = {"loss": loss, "pref": pref, "kl_step": kl_bg, "cond_kl": cond, "coll": coll,
+                 "special": special_t, "flip": flip}
+        return loss, {k: float(v.detach()) for k, v in parts.items()}
+
+
+def _rows(b: Batch, rows: torch.Tensor) -> Batch:
+    return Batch(R=b.R[rows], inj=b.inj[rows], hh=b.hh[rows], sgv=b.sgv[rows], yr=b.yr[rows],
+                 target=b.target[rows], doc=(), pos=())
+
+
+class _Judge:
+    """Every `eval_every` steps: the candidate re-quantised as shipped and measured EXACTLY (mean KL over the
+    whole background, train and dev residual per phrase); keeps the best candidate within the budget."""
+
+    def __init__(self, w: TailWeights, pb: FtpoProblem, obj: _Objective):
+        self.w, self.pb, self.obj = w, pb, obj
+        self.dev_p0 = None
+        if pb.dev is not None:
+            with torch.no_grad():
+                self.dev_p0 = np.exp(head_stats(batch_mix(pb.dev, w), w, pb.dev_final.cpu().numpy()).logp_target)
+        self.best = None  # (key, step, dW, kl, dev_res, train_res)
+
+    def __call__(self, step: int, dW: torch.Tensor, lam: float) -> dict:
+        w, pb, t = self.w, self.pb, self.pb.target_residual
+        with torch.no_grad():
+            Wq = pb.shipped(dW) if pb.shipped is not None else w.W_sd + dW
+            kl = float(streamed_kl(batch_mix(pb.background, w, W_sd=Wq), self.obj.mix0_bg, w).double().mean())
+            p1 = np.exp(head_stats(batch_mix(pb.events, w, W_sd=Wq), w, pb.terms.rejected.cpu().numpy()).logp_target)
+            tr = _phrase_residuals(self.obj.p0_ev, p1, pb.phrase)
+            dv = {}
+            if pb.dev is not None:
+                p1 = np.exp(head_stats(batch_mix(pb.dev, w, W_sd=Wq), w, pb.dev_final.cpu().numpy()).logp_target)
+                dv = _phrase_residuals(self.dev_p0, p1, pb.dev_phrase)
+        judge = {**tr, **dv}  # dev where a phrase has dev events, else train
+        key = (_removal_score(judge, t), kl)
+        if kl <= pb.kl_budget and (self.best is None or key < self.best[0]):
+            self.best = (key, step, dW.clone(), kl, dv, tr)
+        reached = all(v <= t for v in judge.values()) and kl <= pb.kl_budget
+        return {"step": step, "kl_exact": kl, "lambda": lam, "train_residual": tr, "dev_residual": dv,
+                "reached": reached}
+
+
+class _Rotation:
+    """Rows 0..n−1 in rotating random subsets of m (a fresh permutation when one is used up)."""
+
+    def __init__(self, n: int, m: int, seed: int, device):
+        self.n, self.m, self.device = n, min(m, n) if m > 0 else n, device
+        self.gen = torch.Generator().manual_seed(seed)
+        self.perm, self.cursor = torch.randperm(n, generator=self.gen), 0
+
+    def __call__(self) -> torch.Tensor:
+        if self.cursor + self.m > self.n:
+            self.perm, self.cursor = torch.randperm(self.n, generator=self.gen), 0
+        rows = self.perm[self.cursor: self.cursor + self.m]
+        self.cursor += self.m
+        return rows.to(self.device)
+
+
+class _Adam:
+    """Adam with a floor (module docstring) on one parameter; a rotating subset of the background per step."""
+
+    def __init__(self, param: torch.Tensor, cfg: FtpoConfig, W_rms: float, n_bg: int):
+        self.param, self.cfg, self.W_rms = param, cfg, W_rms
+        self.mom, self.vv = torch.zeros_like(param), torch.zeros_like(param)
+        self.k = 0
+        self._bg_rows = _Rotation(n_bg, cfg.background_batch, cfg.seed, param.device)
+
+    def run(self, n: int, loss_of) -> list[dict]:
+        """n steps; loss_of(rows) -> (loss, parts). Returns the parts of each step."""
+        cfg, out = self.cfg, []
+        for _ in range(n):
+            self.param.grad = None
+            loss, parts = loss_of(self._bg_rows())
+            loss.backward()
+            with torch.no_grad():  # entries whose gradient is far below the matrix's RMS move in proportion to it
+                g, self.k = self.param.grad, self.k + 1
+                self.mom.mul_(0.9).add_(g, alpha=0.1)
+                self.vv.mul_(0.999).addcmul_(g, g, value=0.001)
+                v_hat = self.vv / (1 - 0.999 ** self.k)
+                floor = float(v_hat.double().mean().sqrt()) * cfg.floor
+                lr = cfg.lr * self.W_rms * min(1.0, self.k / max(cfg.warmup, 1))
+                self.param.sub_(lr * (self.mom / (1 - 0.9 ** self.k)) / (v_hat.sqrt() + floor + 1e-30))
+            out.append(parts)
+        return out
+
+
 def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), progress=None) -> FtpoResult:
-    """Minimise L(ΔW) (module docstring) by Adam with a floor; keep the best dev candidate within the KL budget."""
+    """Minimise L(ΔW) (module docstring) by Adam with a floor; keep the best dev candidate within the
+    KL budget. Steps: parameterise ΔW -> base quantities -> (judge exactly, stop?, λ, optimise) every eval_every
+    steps -> the kept candidate."""
     if cfg.objective not in OBJECTIVES:
         from l47.errors import L47Error
 
         raise L47Error("solver.ftpo", "objective", f"one of {OBJECTIVES}", repr(cfg.objective))
     t_start = time.monotonic()
     torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    dev_ = w.device
-    W_rms = float(w.W_sd.pow(2).mean().sqrt())
-    W_sq = float(w.W_sd.pow(2).sum())
-    ev, terms, t, budget = pb.events, pb.terms, pb.target_residual, pb.kl_budget
     ph_ids = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
-    ev_group = torch.as_tensor([ph_ids[p] for p in pb.phrase], device=dev_)
-    if cfg.key_rank > 0:
-        Q = key_basis(ev.hh, ev_group, pb.background.hh, cfg.key_rank).float()  # [f, K]
-        param = torch.zeros(w.n, Q.shape[1], device=dev_, requires_grad=True)  # U [n, K]
-
-        def dW_of(p):
-            return p @ Q.T  # [n, f]
-    else:
-        param = torch.zeros(w.n, w.f, device=dev_, requires_grad=True)
-
-        def dW_of(p):
-            return p
-    mom, vv = torch.zeros_like(param), torch.zeros_like(param)
-    with torch.no_grad():
-        mix0_ev = batch_mix(ev, w)
-        base = event_logps(mix0_ev, w, terms)
-        p0_ev = base["rejected"].double().exp().cpu().numpy()  # [E]
-        need = torch.as_tensor(needed_drop(p0_ev, cfg.aim * t), device=dev_)  # [E] f64
-        mass0_special = base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
-        mix0_bg = batch_mix(pb.background, w)
-        lm0_special = (torch.logsumexp(logits_at(mix0_bg, w, terms.special.to(dev_).expand(pb.background.P, -1)), 1)
-                       - streamed_lse(mix0_bg, w)) if terms.special.numel() else None  # [B] log Σ_s p⁰_s
-        dev_p0 = None
-        if pb.dev is not None:
-            dev_p0 = np.exp(head_stats(batch_mix(pb.dev, w), w, pb.dev_final.cpu().numpy()).logp_target)
-        lp0_an = an_group = an_tol = None
-        if pb.anchors is not None and pb.anchors.P:
-            lp0_an = logp_at(batch_mix(pb.anchors, w), w, pb.anchors.target)
-            gi = {g: i for i, g in enumerate(sorted(set(pb.anchor_group)))}
-            an_group = torch.as_tensor([gi[g] for g in pb.anchor_group], device=dev_)
-            an_tol = torch.as_tensor(pb.anchor_tol, dtype=torch.float32, device=dev_)
-    special = terms.special.to(dev_)
-    teth_ev = _Tether(ev, w, terms.rejected, special, cfg.tether_topk)
-    with torch.no_grad():
-        o0 = log_odds(logits_at(mix0_ev, w, terms.rejected[:, None])[:, 0], teth_ev.z0, teth_ev.keep)  # [E]
-    teth_near = (_Tether(pb.near, w, pb.near_banned, special, cfg.tether_topk)
-                 if pb.near is not None and pb.near.P else None)
-    P_bg = pb.background.P
-    lam = cfg.lambda_kl
-    best = None  # (key, step, dW, kl, dev_res, train_res)
-    history: list[dict] = []
-    stopped = rec.STOP_ITERATION_CAP
-    step = 0
-    perm = torch.randperm(P_bg, generator=gen)
-    cursor = 0
-
-    def bg_rows() -> torch.Tensor:
-        nonlocal perm, cursor
-        m = min(cfg.background_batch, P_bg)
-        if cursor + m > P_bg:
-            perm, cursor = torch.randperm(P_bg, generator=gen), 0
-        rows = perm[cursor: cursor + m]
-        cursor += m
-        return rows.to(dev_)
-
-    def sub(b: Batch, rows: torch.Tensor) -> Batch:
-        return Batch(R=b.R[rows], inj=b.inj[rows], hh=b.hh[rows], sgv=b.sgv[rows], yr=b.yr[rows],
-                     target=b.target[rows], doc=(), pos=())
-
-    for step in range(0, cfg.steps + 1):
-        # ---- evaluate the current ΔW exactly (as shipped) every eval_every steps, before updating it
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            with torch.no_grad():
-                dWd = dW_of(param.detach())
-                Wq = pb.shipped(dWd) if pb.shipped is not None else w.W_sd + dWd
-                kl = float(streamed_kl(batch_mix(pb.background, w, W_sd=Wq), mix0_bg, w).double().mean())
-                p1_ev = np.exp(head_stats(batch_mix(ev, w, W_sd=Wq), w, terms.rejected.cpu().numpy()).logp_target)
-                tr = _phrase_residuals(p0_ev, p1_ev, pb.phrase)
-                dv = {}
-                if pb.dev is not None:
-                    p1 = np.exp(head_stats(batch_mix(pb.dev, w, W_sd=Wq), w, pb.dev_final.cpu().numpy()).logp_target)
-                    dv = _phrase_residuals(dev_p0, p1, pb.dev_phrase)
-            judge = {**tr, **dv}  # dev where a phrase has dev events, else train
-            key = (_removal_score(judge, t), kl)
-            info = {"step": step, "kl_exact": kl, "lambda": lam, "train_residual": tr, "dev_residual": dv}
-            if history and "loss" in history[-1] and history[-1]["step"] == step:
-                info["loss"] = history[-1]["loss"]
-            history.append(info)  # no wall time in the record: the same inputs write the same bytes
-            if progress is not None:
-                progress({**info, "elapsed_s": round(time.monotonic() - t_start, 2)})
-            if kl <= budget and (best is None or key < best[0]):
-                best = (key, step, dWd.clone(), kl, dv, tr)
-            if kl > budget:
-                lam = min(lam * 2.0, 1e6)
-
-            reached = all(v <= t for v in judge.values())
-            if reached and kl <= budget and step > 0:
-                stopped = rec.STOP_CONVERGED
-                break
-            if cfg.time_budget_s > 0 and time.monotonic() - t_start > cfg.time_budget_s:
-                stopped = rec.STOP_TIME
-                break
-        if step == cfg.steps:
+    ev_group = torch.as_tensor([ph_ids[p] for p in pb.phrase], device=w.device)
+    param, dW_of = _parameterise(w, pb, cfg, ev_group)
+    obj = _Objective(w, pb, cfg, ev_group)
+    judge = _Judge(w, pb, obj)
+    opt = _Adam(param, cfg, float(w.W_sd.pow(2).mean().sqrt()), pb.background.P)
+    lam, history, stopped, step = cfg.lambda_kl, [], rec.STOP_ITERATION_CAP, 0
+    while True:
+        info = judge(step, dW_of(param.detach()), lam)
+        reached = info.pop("reached")
+        history.append(info)  # no wall time in the record: the same inputs write the same bytes
+        if progress is not None:
+            progress({**info, "elapsed_s": round(time.monotonic() - t_start, 2)})
+        if reached and step > 0:
+            stopped = rec.STOP_CONVERGED
             break
-        # ---- one Adam step
-        param.grad = None
-        dW = dW_of(param)
-        mix = batch_mix(ev, w, dW=dW)
-        lp = event_logps(mix, w, terms)
-        z_s = logits_at(mix, w, teth_ev.ids)  # [E, K]
-        if cfg.objective == "target":
-            o = log_odds(logits_at(mix, w, terms.rejected[:, None])[:, 0], z_s, teth_ev.keep)
-            pref = per_group_mean(target_hinge(o - o0, need, cfg.taper), ev_group).float()
-        else:
-            gap = (lp["rejected"] - base["rejected"])[:, None] - (lp["chosen"] - base["chosen"])  # [E, kc]
-            pref = (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
-        rows = bg_rows()
-        mix_bg = batch_mix(sub(pb.background, rows), w, dW=dW)
-        kl_bg = streamed_kl(mix_bg, mix0_bg[rows], w).mean()
-        if special.numel():  # no rise of the special tokens' total log-probability anywhere in the background
-            lm = torch.logsumexp(logits_at(mix_bg, w, special.expand(len(rows), -1)), 1) - streamed_lse(mix_bg, w)
-            bg_special = F.relu(lm - lm0_special[rows]).mean()
-        else:
-            bg_special = mix.new_zeros(())
-        cond = teth_ev.kl(mix, w, z_s)  # [E]
-        if teth_near is not None:
-            cond = torch.cat([cond, teth_near.kl(batch_mix(pb.near, w, dW=dW), w)])
-        kl_term = kl_bg / budget
-        coll = mix.new_zeros(())
-        if lp0_an is not None:
-            dlp = logp_at(batch_mix(pb.anchors, w, dW=dW), w, pb.anchors.target) - lp0_an
-            coll = per_group_mean(soft_anchor(dlp, an_tol), an_group)
-        special_t = (F.relu(lp["special"].exp().sum(1) - mass0_special).mean() / pb.special_tol
-                     if lp["special"].numel() else mix.new_zeros(())) + bg_special
-        loss = (pref + lam * kl_term + cfg.lambda_cond * cond.mean().float() / budget + cfg.lambda_coll * coll + cfg.lambda_special * special_t
-                + cfg.lambda_ridge * dW.pow(2).sum() / W_sq)
-        loss.backward()
-        with torch.no_grad():  # Adam with a floor: entries whose gradient is far below the matrix's RMS move
-            g = param.grad  # in proportion to it (gradient descent) instead of by a full step
-            k = step + 1
-            mom.mul_(0.9).add_(g, alpha=0.1)
-            vv.mul_(0.999).addcmul_(g, g, value=0.001)
-            v_hat = vv / (1 - 0.999 ** k)
-            floor = float(v_hat.double().mean().sqrt()) * cfg.floor
-            lr = cfg.lr * W_rms * min(1.0, k / max(cfg.warmup, 1))
-            param.sub_(lr * (mom / (1 - 0.9 ** k)) / (v_hat.sqrt() + floor + 1e-30))
-        history.append({"step": step + 1, "loss": float(loss.detach()), "pref": float(pref.detach()),
-                        "kl_step": float(kl_bg.detach()), "cond_kl": float(cond.mean().detach()),
-                        "coll": float(coll.detach()), "special": float(special_t.detach())})
-    history = [h for h in history if "kl_exact" in h or h["step"] % cfg.eval_every == 0]
+        if step >= cfg.steps:
+            break
+        if cfg.time_budget_s > 0 and time.monotonic() - t_start > cfg.time_budget_s:
+            stopped = rec.STOP_TIME
+            break
+        if info["kl_exact"] > pb.kl_budget:
+            lam = min(lam * 2.0, 1e6)
+        n = min(cfg.eval_every, cfg.steps - step)
+        loss_of = lambda rows, lam=lam: obj(dW_of(param), rows, lam)  # noqa: E731
+        parts = opt.run(n, loss_of)
+        step += n
+        history.append({"step": step, **parts[-1]})
+    return _result(judge, history, stopped, step, pb, w)
+
+
+def _parameterise(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: torch.Tensor):
+    """(parameter, ΔW of it): U [n, K] with ΔW = U·(Q·diag s)ᵀ on the phrases' key directions Q, scaled
+    (background_scales) (key_rank > 0), else ΔW itself [n, f]; zeros at the start."""
+    if cfg.key_rank > 0:
+        Q = key_basis(pb.events.hh, ev_group, pb.background.hh, cfg.key_rank).float()  # [f, K]
+        Q = Q * background_scales(pb.background.hh, Q)  # [f, K]
+        return torch.zeros(w.n, Q.shape[1], device=w.device, requires_grad=True), (lambda p: p @ Q.T)
+    return torch.zeros(w.n, w.f, device=w.device, requires_grad=True), (lambda p: p)
+
+
+def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: FtpoProblem, w: TailWeights):
+    t = pb.target_residual
+    if judge.best is None:
+        return FtpoResult(torch.zeros(w.n, w.f, device=w.device), 0, history, rec.STOP_BUDGET, 0.0, {}, {},
+                          ["convergence: no candidate within the KL budget; ΔW = 0"])
+    _, bstep, bdW, bkl, bdv, btr = judge.best
     notes = []
-    if best is None:
-        notes.append("convergence: no candidate within the KL budget; ΔW = 0")
-        return FtpoResult(torch.zeros(w.n, w.f, device=dev_), 0, history, rec.STOP_BUDGET, 0.0, {}, {}, notes)
-    _, bstep, bdW, bkl, bdv, btr = best
     if stopped != rec.STOP_CONVERGED:
         short = [p for p, v in {**btr, **bdv}.items() if v > t]
         notes.append(f"convergence: stopped by {stopped} at step {step}; kept the candidate of step {bstep} "
-                     f"(exact KL {bkl:.3g} ≤ budget {budget:.3g}); phrases short of the target residual {t:g}: "
+                     f"(exact KL {bkl:.3g} ≤ budget {pb.kl_budget:.3g}); phrases short of the target residual {t:g}: "
                      f"{short or 'none'}")
     return FtpoResult(bdW, bstep, history, stopped, bkl, bdv, btr, notes)

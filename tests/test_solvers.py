@@ -179,3 +179,74 @@ def test_conditional_kl_and_log_odds_against_references():
         return target_hinge(log_odds(zr_, zs_, keep) - 0.3, torch.full((4,), 1.5, dtype=torch.float64), 0.25).sum()
 
     assert torch.autograd.gradcheck(f, (zr.requires_grad_(), z1.clone().requires_grad_()))
+
+
+def _full_kl(b, w, dW):
+    """KL(p⁰ ‖ p) per row over the whole vocabulary in f64 (full softmax: the tiny model's V is small)."""
+    l0 = torch.log_softmax((_mix(b, w) @ w.head.T).double(), -1)
+    l1 = torch.log_softmax((_mix(b, w, dW=dW) @ w.head.T).double(), -1)
+    return (l0.exp() * (l0 - l1)).sum(-1)
+
+
+def test_ftpo_step_kl_value_and_gradient_against_full_softmax(setup):
+    """The trainer's one-pass KL (Σp⁰log p⁰ − μ⁰·mix + lse) against the f64 full-softmax KL: value within 2e-5
+    nats (a difference of O(lse) terms with an f32 lse, ~10 nats × 1e-6), gradient w.r.t. ΔW within 1e-3 relative
+    (f32 forward / backward through the tail)."""
+    from l47.solvers.ftpo import FtpoConfig, FtpoProblem, _Objective
+
+    w, ev, terms, bg = setup["w"], setup["ev"], setup["terms"], setup["bg"]
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5, kl_budget=0.1)
+    obj = _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long))
+    dW = (0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(3))).requires_grad_(True)
+    rows = torch.arange(bg.P)
+    mix = _mix(bg, w, dW=dW)
+    from l47.tail.forward import streamed_lse
+
+    got = obj.step_kl(mix, rows, streamed_lse(mix, w))
+    ref = _full_kl(bg, w, dW)
+    assert float(ref.detach().mean()) > 1e-3  # a real change, not a zero-vs-zero comparison
+    np.testing.assert_allclose(got.detach().numpy(), ref.detach().numpy(), atol=2e-5)
+    g_got, = torch.autograd.grad(got.mean(), dW)
+    g_ref, = torch.autograd.grad(_full_kl(bg, w, dW).mean(), dW)
+    assert float((g_got.double() - g_ref).norm() / g_ref.norm()) < 1e-3
+
+
+def test_ftpo_near_ties_select_and_cost_against_full_softmax(setup):
+    """_NearTies keeps exactly the rows whose full-softmax top two are one special and one ordinary token within
+    the margin (re-derived with torch.topk on f64 logits); its cost is 0 at ΔW = 0 and, for a planted ΔW, equals
+    Σ (max(−Δgap, 0) / max(gap⁰, 0.05))² recomputed from the f64 logits (tolerance 1e-4 relative: f32 logits)."""
+    from l47.solvers.ftpo import _NearTies
+
+    w, bg, terms = setup["w"], setup["bg"], setup["terms"]
+    special = torch.as_tensor(sorted(set(int(t) for t in torch.topk(_mix(bg, w) @ w.head.T, 2).indices[:40, 1])))
+    z0 = (_mix(bg, w) @ w.head.T).double()
+    top = torch.topk(z0, 2)
+    sp = torch.isin(top.indices, special)
+    gap0 = top.values[:, 0] - top.values[:, 1]
+    want = torch.nonzero((sp[:, 0] != sp[:, 1]) & (gap0 < 1.0))[:, 0]
+    assert 0 < len(want) < bg.P  # the planted special set makes some rows near ties, not all
+    nt = _NearTies([bg], w, special, margin=1.0)
+    assert nt.n == len(want)
+    np.testing.assert_array_equal(nt.ids.numpy(), top.indices[want].numpy())
+    assert float(nt.cost(w, torch.zeros(w.n, w.f))) == pytest.approx(0.0, abs=1e-9)
+    dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(4))
+    z1 = (_mix(bg, w, dW=dW) @ w.head.T).double()
+    ids = top.indices[want]
+    d0 = z0[want].gather(1, ids)
+    d1 = z1[want].gather(1, ids)
+    shrink = torch.clamp((d0[:, 0] - d0[:, 1]) - (d1[:, 0] - d1[:, 1]), min=0)
+    ref = float(((shrink / gap0[want].clamp_min(0.05)) ** 2).sum())
+    assert ref > 0 and float(nt.cost(w, dW)) == pytest.approx(ref, rel=1e-4)
+
+
+def test_ftpo_background_scales_equalise_the_background_energy(setup):
+    """With Q scaled by background_scales, every column carries the same background rms (‖h‖ rms / √f), re-derived
+    in f64: the property the trainer's step size relies on."""
+    from l47.solvers.ftpo import background_scales, key_basis
+
+    w, ev, bg = setup["w"], setup["ev"], setup["bg"]
+    Q = key_basis(ev.hh, torch.as_tensor([i % 2 for i in range(ev.P)]), bg.hh, 4).float()
+    Qs = Q * background_scales(bg.hh, Q)
+    H = bg.hh.double()
+    e = (H @ Qs.double()).pow(2).mean(0).sqrt()
+    np.testing.assert_allclose(e.numpy(), float(H.pow(2).sum(1).mean().sqrt() / np.sqrt(H.shape[1])), rtol=1e-5)
