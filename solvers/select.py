@@ -9,6 +9,8 @@
                             so that at most `max_background` positions are used, prefix rows left out (where
                             moving mass off the banned word is the intended effect: l47.dumps.select.prefix_rows,
                             the definition bar (e) reports apart)
+    dev rows                positions of the dev documents, strided, prefix rows left out (FTPO: exact KL and
+                            flips of each candidate, judged, never trained on)
     near misses             prefix rows of the solver's documents (background, train, dev) whose target is not the
                             phrase's final token: only the banned token's mass may move there (FTPO's tether)
 
@@ -46,6 +48,8 @@ class Selection:
     special: list[int]  # special-token ids (sorted)
     im_end: int | None  # the turn-end token id (None: the vocabulary has none)
     near: list[tuple[str, int, int]] = ()  # (doc sha256, row, banned final) of near misses, content order
+    dev_rows: list[tuple[str, int]] = ()  # (doc sha256, row) of the dev documents away from prefix rows, strided
+    # like the background: FTPO judges its candidates' KL and flips there (bars (g), (f) on the solver's own chats)
 
 
 class ContentOrder:
@@ -153,5 +157,7 @@ def select_positions(report, cfg, where: str | Path, tokens_of) -> Selection:
     solver_docs = bg_docs + by_order([d for d in accepted if d.set in ("train", "dev")], lambda d: d.sha256,
                                      lambda d: 0)
     near = sorted(near_miss_rows(solver_docs, pts, tokens_of), key=lambda x: order(x[0], x[1]))
+    dev_docs = by_order([d for d in accepted if d.set == "dev"], lambda d: d.sha256, lambda d: 0)
+    dev_rows = without_prefix_rows(background_positions(dev_docs, cfg.max_background)[0], dev_docs, pts, tokens_of)
     return Selection(train, dev, anchors, turn_ends, bg, len(kl_docs), total, stride, special,
-                     None if im_end is None else int(im_end), near)
+                     None if im_end is None else int(im_end), near, dev_rows)

@@ -264,6 +264,7 @@ class Problem:
     dev: Batch | None  # dev events (FTPO's best-step choice only)
     near: Batch | None = None  # near misses: prefix rows whose target is not the banned final (FTPO's tether)
     near_banned: torch.Tensor | None = None  # [N] the banned final token at each near miss
+    dev_rows: Batch | None = None  # dev documents away from prefix rows (FTPO's judge: KL and flips)
 
 
 def build_problem(plan: SolvePlan, sel: Selection) -> Problem:
@@ -282,7 +283,8 @@ def build_problem(plan: SolvePlan, sel: Selection) -> Problem:
     if sel.near and cfg.method == "ftpo":
         near = dumps.batch([(s, r) for s, r, _ in sel.near])
         near_banned = torch.as_tensor([b for _, _, b in sel.near], device=w.device)
-    return Problem(ev, terms, an, dumps.batch(sel.background), dev, near, near_banned)
+    dev_rows = dumps.batch(list(sel.dev_rows)) if sel.dev_rows and cfg.method == "ftpo" else None
+    return Problem(ev, terms, an, dumps.batch(sel.background), dev, near, near_banned, dev_rows)
 
 
 def describe(sel: Selection, prob: Problem) -> str:
@@ -383,7 +385,7 @@ def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):
                        background=prob.background, target_residual=plan.cfg.target_residual,
                        kl_budget=kl_budget(plan), anchors=prob.anchors, anchor_group=groups, anchor_tol=tols,
                        near=prob.near, near_banned=prob.near_banned, dev=prob.dev, dev_final=dev_final,
-                       dev_phrase=[e.phrase for e in sel.dev], special_tol=th.special_rise_tol, shipped=lambda dW: requantize(plan, dW).W_q)
+                       dev_phrase=[e.phrase for e in sel.dev], dev_rows=prob.dev_rows, special_tol=th.special_rise_tol, shipped=lambda dW: requantize(plan, dW).W_q)
 
 
 # ----------------------------------------------------------------------------------------------------------

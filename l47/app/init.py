@@ -119,6 +119,7 @@ FTPO_MEANINGS = {
     "lr": "Adam step, relative to the RMS of W's entries",
     "warmup": "steps of linear step-size warm-up",
     "floor": "Adam's ε as this × the matrix RMS of √v (0: plain Adam)",
+    "key_ridge": "ridge of the key basis relative to the background energy per direction (larger: fewer directions the background never shows)",
     "key_rank": "per phrase, key directions ΔW may act on (generalized eigenvectors vs the background); 0: all of f",
     "steps": "step cap (the best dev candidate within the KL budget is kept)",
     "lambda_kl": "initial weight of background KL / kl_budget (doubled while the exact KL is over the budget)",
