@@ -111,6 +111,7 @@ class FtpoProblem:
     dev_final: torch.Tensor | None = None  # [D]
     dev_phrase: list[str] = field(default_factory=list)
     dev_rows: Batch | None = None  # dev documents' positions away from prefix rows: exact KL and flips per candidate
+    dev_budget: float = 0.0  # mean KL allowed on dev_rows (0: kl_budget)
     special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
 
@@ -163,9 +164,12 @@ def target_hinge(drop: torch.Tensor, need: torch.Tensor, tau: float) -> torch.Te
     return tau * F.softplus((drop + need) / tau)  # [E]
 
 
-def per_group_mean(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """Mean over groups of the mean of x within each group (every group weighs the same). x, group [P]."""
-    return torch.stack([x[group == g].mean() for g in torch.unique(group)]).mean()
+def per_group_mean(x: torch.Tensor, group: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over groups of the mean of x within each group (every group weighs the same, or `weight[g]` [G] with
+    group ids 0..G−1, the mean still over all groups). x, group [P]."""
+    gs = torch.unique(group)
+    m = torch.stack([x[group == g].mean() for g in gs])  # [G']
+    return (m if weight is None else m * weight[gs].to(m.dtype)).mean()
 
 
 def conditional_kl(z0: torch.Tensor, z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -308,6 +312,7 @@ class _Objective:
         dev_, ev, terms = w.device, pb.events, pb.terms
         self.W_sq = float(w.W_sd.pow(2).sum())
         self.lam_flip = cfg.lambda_flip  # doubled whenever a candidate flips a dev row to a special token
+        self.phrase_on = torch.ones(int(ev_group.max()) + 1, device=w.device)  # [G] 0 while a phrase is at target
         self.special = terms.special.to(dev_)
         with torch.no_grad():
             mix0_ev = batch_mix(ev, w)
@@ -359,7 +364,8 @@ class _Objective:
         z_s = logits_at(mix, w, self.teth_ev.ids)  # [E, K]
         if cfg.objective == "target":
             o = log_odds(logits_at(mix, w, terms.rejected[:, None])[:, 0], z_s, self.teth_ev.keep)  # [E]
-            pref = per_group_mean(target_hinge(o - self.o0, self.need, cfg.taper), self.ev_group).float()
+            pref = per_group_mean(target_hinge(o - self.o0, self.need, cfg.taper), self.ev_group,
+                                  self.phrase_on).float()
         else:
             gap = (lp["rejected"] - self.base["rejected"])[:, None] - (lp["chosen"] - self.base["chosen"])  # [E, kc]
             pref = (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
@@ -424,7 +430,8 @@ class _Judge:
             kl_dev, flips = self._dev_rows(Wq)
         judge = {**tr, **dv}  # dev where a phrase has dev events, else train
         key = (_removal_score(judge, t), kl)
-        ok = kl <= pb.kl_budget and (kl_dev is None or kl_dev <= pb.kl_budget) and not flips
+        dev_budget = pb.dev_budget or pb.kl_budget
+        ok = kl <= pb.kl_budget and (kl_dev is None or kl_dev <= dev_budget) and not flips
         if ok and (self.best is None or key < self.best[0]):
             self.best = (key, step, dW.clone(), kl, dv, tr)
         return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "dev_flips": flips, "lambda": lam,
@@ -522,6 +529,9 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             lam = min(lam * 2.0, 1e6)
         if info["dev_flips"]:
             obj.lam_flip = min(obj.lam_flip * 2.0, 1e6)
+        judged = {**info["train_residual"], **info["dev_residual"]}  # a phrase at its target stops pulling: the
+        obj.phrase_on = torch.as_tensor([float(judged[p] > pb.target_residual) for p in sorted(ph_ids)],  # budget
+                                        device=w.device)  # goes to the phrases still short (dev shortfall)
         n = min(cfg.eval_every, cfg.steps - step)
         loss_of = lambda rows, lam=lam: obj(dW_of(param), rows, lam)  # noqa: E731
         parts = opt.run(n, loss_of)
