@@ -420,7 +420,7 @@ def _result(pb: _Problem, metric: Metric | None, keep: tuple, iters: list[dict],
     violation, residual, dW, worst, kl_exact, kl_pred = keep
     if violation > pb.cfg.gn_tol and stop == rec.STOP_CONVERGED:
         stop = rec.STOP_ITERATION_CAP
-    if keep[2] is not dW and stop == rec.STOP_ITERATION_CAP and len(iters) > 1 and iters[-1]["violation"] > violation:
+    if stop == rec.STOP_ITERATION_CAP and len(iters) > 1 and iters[-1]["violation"] > violation:
         stop = rec.STOP_LINE_SEARCH  # later steps did not improve on the returned iterate
     return WfldResult(dW=dW, iterations=iters, residual=residual, violation=violation, removed=pb.removed,
                       infeasible_events=pb.infeasible, worst_rows=worst, anchor_rank=pb.rank, null_dim=pb.B.shape[1],
