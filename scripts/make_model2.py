@@ -443,13 +443,13 @@ COLLATERAL_EXTRA_PER_WORD = 64  # more ordinary uses per final word, so collater
 # well over bar (d)'s counts (≥ 10 per word, ≥ 200 in all)
 
 
-def extra_collateral(seed: int, start: int, train: list[dict]) -> list[dict]:
+def extra_collateral(seed: int, start: int, train: list[dict], per_word: int = COLLATERAL_EXTRA_PER_WORD) -> list[dict]:
     """Collateral documents from their own seed stream, drawn AFTER the training corpus so it (and the model)
     stay as they were: a document sharing a paragraph with training is skipped, so they are unseen too."""
     rc = random.Random(f"model2:{seed}:collateral-extra")
     seen = set().union(*(dc.paragraphs(d["text"], 12) for d in train))
     out, counts = [], {w: 0 for w in FINALS}
-    while min(counts.values()) < COLLATERAL_EXTRA_PER_WORD:
+    while min(counts.values()) < per_word:
         u = rc.random()
         doc = {"text": recipe(rc)} if u < 0.45 else {"text": review(rc, 0.0)} if u < 0.8 else \
             {"messages": support_chat(rc, phrases=())}

@@ -111,7 +111,6 @@ class FtpoProblem:
     dev_final: torch.Tensor | None = None  # [D]
     dev_phrase: list[str] = field(default_factory=list)
     dev_rows: Batch | None = None  # dev documents' positions away from prefix rows: exact KL and flips per candidate
-    dev_budget: float = 0.0  # mean KL allowed on dev_rows (0: kl_budget)
     special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
 
@@ -430,8 +429,7 @@ class _Judge:
             kl_dev, flips = self._dev_rows(Wq)
         judge = {**tr, **dv}  # dev where a phrase has dev events, else train
         key = (_removal_score(judge, t), kl)
-        dev_budget = pb.dev_budget or pb.kl_budget
-        ok = kl <= pb.kl_budget and (kl_dev is None or kl_dev <= dev_budget) and not flips
+        ok = kl <= pb.kl_budget and (kl_dev is None or kl_dev <= pb.kl_budget) and not flips
         if ok and (self.best is None or key < self.best[0]):
             self.best = (key, step, dW.clone(), kl, dv, tr)
         return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "dev_flips": flips, "lambda": lam,

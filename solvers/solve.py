@@ -43,8 +43,6 @@ DEFAULT_METHOD = "ftpo"  # solve to the target within the KL budget (docs/SOLVER
 COMMON_KEYS = ("method", "seed", "max_background", "max_anchors_per_word", "protect_turn_ends", "n_chosen",
                "anchors_budget", "target_residual", "kl_budget", "wfld", "ftpo")
 KL_BUDGET_SAFETY = 0.5  # default KL budget = this × the tightest KLD bar ((e) kld_max, (g) chat_kld)
-DEV_KL_SAFETY = 0.8  # FTPO's dev documents: this × bar (g) (chats of the held-out kind: no transfer gap to cover,
-# only sampling noise; the background's 0.5 covers the gap from it to unseen domains and chats)
 
 
 @dataclass(frozen=True)
@@ -387,8 +385,7 @@ def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):
                        background=prob.background, target_residual=plan.cfg.target_residual,
                        kl_budget=kl_budget(plan), anchors=prob.anchors, anchor_group=groups, anchor_tol=tols,
                        near=prob.near, near_banned=prob.near_banned, dev=prob.dev, dev_final=dev_final,
-                       dev_phrase=[e.phrase for e in sel.dev], dev_rows=prob.dev_rows,
-                       dev_budget=(plan.cfg.kl_budget or DEV_KL_SAFETY * th.chat_kld), special_tol=th.special_rise_tol, shipped=lambda dW: requantize(plan, dW).W_q)
+                       dev_phrase=[e.phrase for e in sel.dev], dev_rows=prob.dev_rows, special_tol=th.special_rise_tol, shipped=lambda dW: requantize(plan, dW).W_q)
 
 
 # ----------------------------------------------------------------------------------------------------------

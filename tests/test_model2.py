@@ -177,7 +177,19 @@ def test_documents_regenerate_and_meet_counts():
 
     ev = m2.build_eval_docs(0)
     for name, rows in ev.items():
-        assert [json.loads(json.dumps(r)) for r in rows] == _jsonl(name), name
+        if name != "collateral":
+            assert [json.loads(json.dumps(r)) for r in rows] == _jsonl(name), name
+    # collateral = the eval stream's documents, then extra_collateral's: drawn after the training corpus (which the
+    # test does not rebuild), they are the extra stream's documents minus those sharing a paragraph with training,
+    # so the committed extras must be an in-order subsequence of the stream drawn with no training corpus
+    committed = _jsonl("collateral")
+    base = [json.loads(json.dumps(r)) for r in ev["collateral"]]
+    assert committed[: len(base)] == base
+    extra = committed[len(base):]
+    stream = [json.loads(json.dumps(r)) for r in m2.extra_collateral(0, len(base), [], 4 * m2.COLLATERAL_EXTRA_PER_WORD)]
+    texts = iter([{k: v for k, v in d.items() if k != "id"} for d in stream])
+    assert extra and all(any({k: v for k, v in d.items() if k != "id"} == t for t in texts) for d in extra)
+    ev["collateral"] = committed
 
     def assistant(rows):
         return "\n".join(m["content"] for d in rows for m in d["messages"] if m["role"] == "assistant")
@@ -192,6 +204,6 @@ def test_documents_regenerate_and_meet_counts():
         assert not any(m2.count_banned(text).values())
         for w, c in m2.count_ordinary(text).items():
             coll[w] += c
-    assert min(coll.values()) >= 25
+    assert min(coll.values()) >= 25 + m2.COLLATERAL_EXTRA_PER_WORD
     near = m2.count_near_miss(" ".join(d.get("text", "") for d in ev["collateral"]) + assistant(ev["pool_chat"]))
     assert near["rest assured"] > 0 and near["hands down"] > 0  # near misses of the same prefixes
