@@ -20,6 +20,11 @@ from l47.fileio import (atomic_path, live_temps, staging_dir, write_bytes_atomic
                         write_text_atomic)
 
 
+def _as_in_a_terminal():  # the child gets SIGINT as a user's shell delivers it: a background job of a
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # non-interactive shell (a CI runner, `make test &`) ignores it,
+    # and Python keeps an inherited "ignore" — the test would then time out instead of testing the cleanup
+
+
 def _listing(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir())
 
@@ -89,7 +94,7 @@ def test_signal_leaves_old_file_only(tmp_path, sig, code, kind):
     target = tmp_path / "bundle.gguf"
     target.write_bytes(b"old bytes")
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(target), kind], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_as_in_a_terminal)
     assert p.stdout.readline().strip() == "ready"
     assert len(_listing(tmp_path)) == 2  # the old file and the temp file / staging folder
     p.send_signal(sig)

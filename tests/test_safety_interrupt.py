@@ -34,6 +34,11 @@ time.sleep(300)
 '''
 
 
+def _as_in_a_terminal():  # the child gets SIGINT as a user's shell delivers it: a background job of a
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # non-interactive shell (a CI runner, `make test &`) ignores it,
+    # and Python keeps an inherited "ignore" — the test would then time out instead of testing the cleanup
+
+
 def _slow_bin(tmp_path: Path) -> Path:
     p = tmp_path / "strata-slow"
     p.write_text(SLOW.format(python=sys.executable))
@@ -60,7 +65,8 @@ def _interrupt_dump(tmp_path, tiny_gguf, out: Path, sig: int) -> tuple[subproces
     env = {**os.environ, "L47_STRATA_ANY_PLATFORM": "1", "FAKE_PIDFILE": str(pidfile), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "l47.app.cli", "dump", str(_docs(tmp_path)), "--engine", "strata",
             "--engine-bin", str(_slow_bin(tmp_path)), "--model", str(tiny_gguf), "--out", str(out)]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_in_a_terminal)
     deadline = time.monotonic() + 120
     while not pidfile.exists() or not pidfile.read_text():
         assert proc.poll() is None, proc.communicate()
@@ -155,7 +161,7 @@ def _cli_subprocess(args, tmp_path: Path, wait_for: str, sig=signal.SIGTERM):
     meanwhile), queue `sig`, resume it. Returns (returncode, stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "L47_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
     p = subprocess.Popen([sys.executable, "-m", "l47.app.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_as_in_a_terminal)
     seen = []
     for line in p.stdout:
         seen.append(line)

@@ -199,7 +199,8 @@ class VocabAccumulator:
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         """Row sums of x [R, C] as f64 on the accumulators' device (f32 partials when the device has no f64).
         On the CPU the rows are cast into a reused f64 block of ~SUM_BLOCK elements and summed there: the same f64
-        sums, bit for bit, as x.sum(1, dtype=float64), whose per-element cast is not vectorised (~20x slower on one
+        sums (bit for bit on one thread; on several, torch splits a long row by thread count and block shape, as it
+        does between any two shapes) as x.sum(1, dtype=float64), whose per-element cast is not vectorised (~20x slower on one
         thread: 27 ms against 1.4 ms for [512, 8192])."""
         if self.no_f64:
             return x.sum(1).to(self.rdev, torch.float64)
