@@ -48,7 +48,7 @@ KL_BUDGET_SAFETY = 0.5  # default KL budget = this × the tightest KLD bar ((e) 
 @dataclass(frozen=True)
 class SolveArgs:
     experiment: Path
-    method: str
+    method: str | None  # None: [solver] method, else DEFAULT_METHOD
     out: Path
     model: Path | None = None
     overlay: bool = False

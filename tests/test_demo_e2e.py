@@ -1,5 +1,5 @@
 """End to end on the shipped demo model, at reduced size: dump (hf engine, the model's own generations) ->
-sets -> WFLD solve -> audit -> blind sign-off on a fresh generation, plus the negative control. Asserts the
+sets -> solve (the defaults: FTPO) -> audit -> blind sign-off on a fresh generation, plus the negative control. Asserts the
 verdicts (the demo's exit code follows the dev AND blind verdicts) and every bar's value against a
 recomputation from the written files: the hf engine's own log p stored in the dumps (ref_logp, an independent
 forward: transformers' Qwen4Exp), the per-event rows of the report and the sets report."""

@@ -316,7 +316,7 @@ def sets(
 @guarded
 def solve(
     experiment: Path = typer.Argument(..., help="experiment TOML"),
-    method: Optional[str] = typer.Option(None, help="wfld | ftpo (default: [solver] method, else wfld)"),
+    method: Optional[str] = typer.Option(None, help="wfld | ftpo (default: [solver] method, else ftpo)"),
     out: Path = typer.Option(..., "--out", help="bundle GGUF to write (never the base)"),
     model: Optional[Path] = typer.Option(None, "--model"),
     overlay: bool = typer.Option(False, help="write an overlay (the shared-expert writers) instead of a full GGUF"),

@@ -358,7 +358,7 @@ def _solve(run: _DemoRun, exp: Path, sets_json: Path) -> Path:
 
     run.console.rule("[bold]3. solve (WFLD)")
     bundle = run.out / "bundle.gguf"
-    solve_and_print(SolveArgs(exp, "wfld", bundle, ledger=run.ledger.path, sets_json=sets_json), run.console)
+    solve_and_print(SolveArgs(exp, None, bundle, ledger=run.ledger.path, sets_json=sets_json), run.console)
     return bundle
 
 
