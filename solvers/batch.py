@@ -63,6 +63,18 @@ def batch_to(b: Batch | None, device) -> Batch | None:
                  yr=b.yr.to(device), target=b.target.to(device), doc=b.doc, pos=b.pos)
 
 
+def batch_rows(b: Batch, rows: torch.Tensor) -> Batch:
+    """The positions `rows` of a batch (their provenance dropped)."""
+    return Batch(R=b.R[rows], inj=b.inj[rows], hh=b.hh[rows], sgv=b.sgv[rows], yr=b.yr[rows],
+                 target=b.target[rows], doc=(), pos=())
+
+
+def batch_cat(bs: list[Batch]) -> Batch:
+    """Batches one after the other (their provenance dropped)."""
+    return Batch(**{k: torch.cat([getattr(b, k) for b in bs]) for k in ("R", "inj", "hh", "sgv", "yr", "target")},
+                 doc=(), pos=())
+
+
 def batch_mix(b: Batch, w: TailWeights, W_sd=None, dW=None) -> torch.Tensor:
     return tail_mix(b.R, b.inj, b.hh, b.sgv, b.yr, w, W_sd=W_sd, dW=dW)  # [P, n]
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from l47.data import record as rec
 from l47.model import names
 from l47.model.weights import TailWeights
-from l47.solvers.batch import Batch, EventTerms, batch_mix, event_logps
+from l47.solvers.batch import Batch, EventTerms, batch_cat, batch_mix, batch_rows, event_logps
 from l47.tail.forward import head_stats, logits_at, logp_at, streamed_kl, streamed_lse
 from l47.tail.stream import stream_head
 
@@ -277,11 +277,11 @@ class _NearTies:
                 m = (is_sp[:, 0] != is_sp[:, 1]) & (gap < margin)
                 if m.any():
                     idx = torch.nonzero(m)[:, 0]
-                    keep_b.append(_rows(b, idx))
+                    keep_b.append(batch_rows(b, idx))
                     keep_ids.append(top[idx])
                     keep_gap.append(gap[idx].clamp_min(0.05).float())
         if keep_b:
-            self.b = keep_b[0] if len(keep_b) == 1 else _cat(keep_b)
+            self.b = keep_b[0] if len(keep_b) == 1 else batch_cat(keep_b)
             self.ids, self.gap0 = torch.cat(keep_ids), torch.cat(keep_gap)  # [N, 2], [N]
             with torch.no_grad():
                 z = logits_at(batch_mix(self.b, w), w, self.ids)  # [N, 2]
@@ -295,11 +295,6 @@ class _NearTies:
         z = logits_at(batch_mix(self.b, w, dW=dW), w, self.ids)  # [N, 2]
         shrink = F.relu(self.d0 - (z[:, 0] - z[:, 1]))  # [N]
         return ((shrink / self.gap0) ** 2).sum()
-
-
-def _cat(bs: list[Batch]) -> Batch:
-    return Batch(**{k: torch.cat([getattr(b, k) for b in bs]) for k in ("R", "inj", "hh", "sgv", "yr", "target")},
-                 doc=(), pos=())
 
 
 class _Objective:
@@ -340,7 +335,7 @@ class _Objective:
         self.teth_near = (_Tether(pb.near, w, pb.near_banned, self.special, cfg.tether_topk)
                           if pb.near is not None and pb.near.P else None)
         ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
-        tie_rows = [pb.background] + ([_rows(pb.anchors, torch.as_tensor(ends, device=dev_))] if ends else [])
+        tie_rows = [pb.background] + ([batch_rows(pb.anchors, torch.as_tensor(ends, device=dev_))] if ends else [])
         self.ties = (_NearTies(tie_rows, w, self.special, cfg.flip_margin)
                      if self.special.numel() and cfg.lambda_flip > 0 else None)
 
@@ -368,7 +363,7 @@ class _Objective:
         else:
             gap = (lp["rejected"] - self.base["rejected"])[:, None] - (lp["chosen"] - self.base["chosen"])  # [E, kc]
             pref = (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
-        mix_bg = batch_mix(_rows(pb.background, rows), w, dW=dW)  # [m, n]
+        mix_bg = batch_mix(batch_rows(pb.background, rows), w, dW=dW)  # [m, n]
         lse_bg = streamed_lse(mix_bg, w)  # [m] the one vocabulary pass of the background rows
         kl_bg = self.step_kl(mix_bg, rows, lse_bg).mean().float()
         special_t = mix.new_zeros(())
@@ -381,7 +376,7 @@ class _Objective:
         coll = mix.new_zeros(())
         if self.lp0_an is not None:
             a = self.an_rows()  # a rotating subset of the anchors
-            dlp = logp_at(batch_mix(_rows(pb.anchors, a), w, dW=dW), w, pb.anchors.target[a]) - self.lp0_an[a]  # [a]
+            dlp = logp_at(batch_mix(batch_rows(pb.anchors, a), w, dW=dW), w, pb.anchors.target[a]) - self.lp0_an[a]  # [a]
             coll = per_group_mean(soft_anchor(dlp, self.an_tol[a]), self.an_group[a])
         flip = self.ties.cost(w, dW) if self.ties is not None and self.ties.n else mix.new_zeros(())
         loss = (pref + lam * kl_bg / pb.kl_budget + cond / pb.kl_budget + self.lam_flip * flip
@@ -390,11 +385,6 @@ class _Objective:
         parts = {"loss": loss, "pref": pref, "kl_step": kl_bg, "cond_kl": cond, "coll": coll,
                  "special": special_t, "flip": flip}
         return loss, {k: float(v.detach()) for k, v in parts.items()}
-
-
-def _rows(b: Batch, rows: torch.Tensor) -> Batch:
-    return Batch(R=b.R[rows], inj=b.inj[rows], hh=b.hh[rows], sgv=b.sgv[rows], yr=b.yr[rows],
-                 target=b.target[rows], doc=(), pos=())
 
 
 class _Judge:
@@ -412,8 +402,7 @@ class _Judge:
         if pb.dev_rows is not None:
             with torch.no_grad():
                 self.mix0_dev = batch_mix(pb.dev_rows, w)  # [D, n]
-                self.arg0_dev = torch.as_tensor(head_stats(self.mix0_dev, w, pb.dev_rows.target.cpu().numpy(),
-                                                           topk=1).argmax, device=w.device)  # [D]
+                self.arg0_dev = stream_head(self.mix0_dev, w.head, w.numerics, topk=1).top_i[:, 0].to(w.device)  # [D]
 
     def __call__(self, step: int, dW: torch.Tensor, lam: float) -> dict:
         w, pb, t = self.w, self.pb, self.pb.target_residual
@@ -441,9 +430,10 @@ class _Judge:
         pb, w = self.pb, self.w
         if pb.dev_rows is None:
             return None, 0
-        mix = batch_mix(pb.dev_rows, w, W_sd=Wq)
-        kl = float(streamed_kl(mix, self.mix0_dev, w).double().mean())
-        arg = torch.as_tensor(head_stats(mix, w, pb.dev_rows.target.cpu().numpy(), topk=1).argmax, device=w.device)
+        mix = batch_mix(pb.dev_rows, w, W_sd=Wq)  # [D, n]
+        st = stream_head(torch.cat([self.mix0_dev, mix]), w.head, w.numerics, topk=1, pairs=mix.shape[0])  # one pass
+        kl = float(st.kl.double().mean())
+        arg = st.top_i[mix.shape[0]:, 0].to(w.device)  # [D]
         flips = int((torch.isin(arg, self.special) & ~torch.isin(self.arg0_dev, self.special)).sum())
         return kl, flips
 
