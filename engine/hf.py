@@ -395,17 +395,20 @@ def sample_next(z: torch.Tensor, s: SamplerSettings, gen: torch.Generator) -> in
     return sample_rows(z.reshape(1, -1), [s], [gen])[0]
 
 
-@torch.no_grad()
-def generate(model, prompt_ids, max_new_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, stop_ids=(), where: str = "generate") -> list[int]:
-    """Sample up to `max_new_tokens` ids after `prompt_ids` (the stop id, when hit, is included and ends it).
-    Deterministic for a seed: one torch.Generator, sampling in f64 on the CPU, the KV cache on the decode path."""
-    s = SamplerSettings(int(max_new_tokens), int(seed), float(temperature), float(top_p), int(top_k),
-                        tuple(int(i) for i in stop_ids))
+def _check_settings(s: SamplerSettings, where: str) -> None:
     if s.max_new_tokens < 0:
-        raise L47Error(where, "max_new_tokens", ">= 0", str(max_new_tokens))
+        raise L47Error(where, "max_new_tokens", ">= 0", str(s.max_new_tokens))
     if not 0 < s.top_p <= 1:
-        raise L47Error(where, "top_p", "in (0, 1]", str(top_p))
+        raise L47Error(where, "top_p", "in (0, 1]", str(s.top_p))
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, settings: SamplerSettings, where: str = "generate") -> list[int]:
+    """Sample up to `settings.max_new_tokens` ids after `prompt_ids` (the stop id, when hit, is included and ends
+    it). Deterministic for a seed: one torch.Generator, sampling in f64 on the CPU, the KV cache on the decode
+    path. The reference `generate_batch` is tested against."""
+    s = settings
+    _check_settings(s, where)
     ids = _check_ids(model, prompt_ids, where, 1)
     dev = input_device(model)
     gen = torch.Generator().manual_seed(s.seed)
@@ -447,10 +450,7 @@ def generate_batch(model, prompts, settings, where: str = "generate") -> list[li
     if len(prompts) != len(settings):
         raise L47Error(where, "settings", f"one per prompt ({len(prompts)})", str(len(settings)))
     for s in settings:
-        if s.max_new_tokens < 0:
-            raise L47Error(where, "max_new_tokens", ">= 0", str(s.max_new_tokens))
-        if not 0 < s.top_p <= 1:
-            raise L47Error(where, "top_p", "in (0, 1]", str(s.top_p))
+        _check_settings(s, where)
     ids = [_check_ids(model, p, where, 1) for p in prompts]
     out: list[list[int]] = [[] for _ in ids]
     rows = [b for b, s in enumerate(settings) if s.max_new_tokens > 0]  # the batch's rows -> prompt index

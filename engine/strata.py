@@ -5,8 +5,8 @@ argv, file names, 32-byte little-endian headers, which engine buffer each field 
 that contract lives in the constants block below and nowhere else.
 
     strata_binary(cli_value)                       -> Path    the binary (--engine-bin / STRATA_BIN), platform
-    run_strata(bin, model, tokens, out_dir, layer,  -> Path    one document, forced or generate, in its own dir
-               generate=None, ...)
+    run_strata(StrataRun(bin, model, layer, ...),   -> Path    one document, forced or generate, in its own dir
+               tokens, out_dir, generate=None)
     read_raw(dir)                                   -> dict    parse + check every contract file, all problems
     convert(raw_or_dir, meta_base)                  -> (arrays, DumpMeta fields) of one dump
 
@@ -265,10 +265,23 @@ def strata_argv(bin_path: Path, model: Path, request: Path, generate: "SamplerSe
     return argv
 
 
-def run_strata(bin_path: str | os.PathLike, model: str | os.PathLike, tokens: Sequence[int],
-               out_dir: str | os.PathLike, layer: int, generate: "SamplerSettings | None" = None, *,
-               topk: int = DEFAULT_TOPK, ref_logits: bool = False, extra_env: Mapping[str, str] | None = None,
-               timeout: float | None = None) -> Path:
+@dataclass(frozen=True)
+class StrataRun:
+    """How the binary runs every document of one dump (engine/CONTRACT.md §2): the binary, the GGUF it runs, the
+    dumped layer L and the dump settings. `extra_env` is added to the engine's environment before the dump
+    settings (which are always the adapter's); `timeout` in seconds per document (None: none)."""
+
+    bin_path: Path
+    model: Path
+    layer: int
+    topk: int = DEFAULT_TOPK
+    ref_logits: bool = False
+    extra_env: Mapping[str, str] | None = None
+    timeout: float | None = None
+
+
+def run_strata(run: StrataRun, tokens: Sequence[int], out_dir: str | os.PathLike,
+               generate: "SamplerSettings | None" = None) -> Path:
     """Run the binary on one document and return the directory it wrote (engine/CONTRACT.md §2).
 
     tokens    forced mode: the document's ids (≥ 2); generate mode: the prompt's ids (≥ 1)
@@ -276,22 +289,23 @@ def run_strata(bin_path: str | os.PathLike, model: str | os.PathLike, tokens: Se
               (l47.engine.hf.SamplerSettings): the engine samples the continuation itself
     The directory is emptied of contract files first, so nothing from an earlier run can be read as this one's.
     A failed start, a non-zero exit or a timeout raises L47Error with the engine's stderr tail."""
-    bin_path, model, out_dir = Path(bin_path), Path(model), Path(out_dir)
+    bin_path, model, out_dir, layer, timeout = Path(run.bin_path), Path(run.model), Path(out_dir), run.layer, \
+        run.timeout
     where = f"strata ({bin_path.name})"
     if generate is not None and int(generate.max_new_tokens) < 1:
         raise L47Error(where, "max_new_tokens", ">= 1", str(generate.max_new_tokens))
     ids = _check_ids(tokens, 1 if generate is not None else 2, where)
     if not model.is_file():
         raise L47Error(model, "model", "a GGUF file for the Strata engine", "no such file")
-    if int(topk) < 1:
-        raise L47Error(where, "topk", ">= 1", str(topk))
+    if int(run.topk) < 1:
+        raise L47Error(where, "topk", ">= 1", str(run.topk))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in contract_files(layer):
         (out_dir / name).unlink(missing_ok=True)
     request = out_dir / REQUEST_TOKENS
     write_bytes_atomic(request, encode_raw(TAG_TOKENS, NO_LAYER, ids[:, None]))
     argv = strata_argv(bin_path, model.resolve(), request.resolve(), generate)
-    env = strata_env(out_dir.resolve(), layer, topk, ref_logits, extra_env)
+    env = strata_env(out_dir.resolve(), layer, run.topk, run.ref_logits, run.extra_env)
     try:
         proc = subprocess.run(argv, env=env, cwd=out_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, timeout=timeout, check=False)

@@ -78,15 +78,14 @@ def _paths(summary) -> list[Path]:
 
 def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -> dict[str, list[Path]]:
     """Every document set of the model through the hf engine (sampled turns for the prompts)."""
-    from l47.app.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
 
     inputs = out / "inputs"
     dirs: dict[str, list[Path]] = {}
     if spec.pool_generate and caps.get("prompts", 1) != 0:
         p = _subset(spec.data / spec.pool_generate, inputs / "prompts.jsonl", caps.get("prompts"))
         gen = GenerateOptions(max_new_tokens=max_new_tokens, seed=0, temperature=0.7, top_p=0.9, top_k=40)
-        dirs["generated"] = _paths(run_dump("hf", spec.model, p, out / "dumps" / "generated", generate=gen,
-                                            console=None))
+        dirs["generated"] = _paths(run_dump(DumpJob(spec.model, p, out / "dumps" / "generated", generate=gen)))
         log(f"{spec.name}: generated {len(dirs['generated'])}")
     from l47.app.demo import CHAT_TOKENS, HELDOUT_PROMPTS
 
@@ -98,15 +97,14 @@ def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -
         del sets["heldout_chat"]
         src = _subset(spec.data / HELDOUT_PROMPTS, inputs / HELDOUT_PROMPTS, caps.get("heldout_chat"))
         gen = GenerateOptions(max_new_tokens=CHAT_TOKENS, seed=0, temperature=0.7, top_p=0.9, top_k=40, think=True)
-        dirs["heldout_chat"] = _paths(run_dump("hf", spec.model, src, out / "dumps" / "heldout_chat", generate=gen,
-                                               console=None))
+        dirs["heldout_chat"] = _paths(run_dump(DumpJob(spec.model, src, out / "dumps" / "heldout_chat", generate=gen)))
         log(f"{spec.name}: heldout_chat (generated) {len(dirs['heldout_chat'])}")
     if spec.pool_written:
         sets["pool_chat"] = spec.pool_written.removesuffix(".jsonl")
     for key, stem in sets.items():
         cap = caps.get("kld") if key.startswith("kld_") else caps.get(key)
         src = _subset(spec.data / f"{stem}.jsonl", inputs / f"{stem}.jsonl", cap)
-        dirs[key] = _paths(run_dump("hf", spec.model, src, out / "dumps" / key, console=None))
+        dirs[key] = _paths(run_dump(DumpJob(spec.model, src, out / "dumps" / key)))
         log(f"{spec.name}: {key} {len(dirs[key])}")
     dirs.setdefault("blind", [])
     return dirs

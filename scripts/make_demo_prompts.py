@@ -79,7 +79,7 @@ def select(ids: list[str], counts: dict[str, dict[str, int]], per_phrase: int) -
 
 def main() -> None:
     from l47.app.demo import DemoArgs, PHRASES
-    from l47.app.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--candidates", type=int, default=960)
@@ -92,7 +92,7 @@ def main() -> None:
     src.write_text("".join(json.dumps(c) + "\n" for c in cands), encoding="utf-8")
     d = DemoArgs()
     gen = GenerateOptions(max_new_tokens=d.max_new_tokens, seed=d.seed, temperature=0.7, top_p=0.9, top_k=40)
-    run_dump("hf", mc.DEMO_DATA / "demo-model.gguf", src, a.work / "dumps", generate=gen)  # resumable
+    run_dump(DumpJob(mc.DEMO_DATA / "demo-model.gguf", src, a.work / "dumps", generate=gen))  # resumable
     kept = set(select([c["id"] for c in cands], phrase_counts(a.work / "dumps", PHRASES), a.per_phrase))
     OUT.write_text("".join(json.dumps(c) + "\n" for c in cands if c["id"] in kept), encoding="utf-8")
     print(f"{OUT}: {len(kept)} prompts of {len(cands)} candidates")

@@ -36,11 +36,7 @@ MANY_WHY = "Many parameters because"
 # Offenders in files another session is rewriting now: printed, not failed on. The owner removes the entry when
 # the function is split / given a context object (or its docstring says why); an entry that no longer offends,
 # or names no function, fails the test, so this list cannot go stale.
-PENDING = {
-    "l47/app/dumping.py:run_dump": "newcomer (issue 15) owns l47/app/dumping.py; 18 parameters -> a context object",
-    "engine/hf.py:generate": "newcomer (issue 15) owns engine/; 9 parameters",
-    "engine/strata.py:run_strata": "newcomer (issue 15) owns engine/; 10 parameters",
-}
+PENDING: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_dump_from_another_folder_same_bytes(tiny_gguf, tmp_path):
     """The same documents, from copies of the input file in two folders, dumped into two folders: the same dump
     bytes (before: the dump's `source` held the input's absolute path, so every demo folder gave other dump
     hashes and another bundle — its provenance lists the dumps' sha256)."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
 
     docs = "\n".join(json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(
         ["Rather than guess, measure it end to end."])) + "\n"
@@ -74,7 +74,7 @@ def test_dump_from_another_folder_same_bytes(tiny_gguf, tmp_path):
         src = tmp_path / k / "in" / "docs.jsonl"
         src.parent.mkdir(parents=True)
         src.write_text(docs)
-        s = run_dump("hf", tiny_gguf, src, tmp_path / k / "dumps", policy="exact")
+        s = run_dump(DumpJob(tiny_gguf, src, tmp_path / k / "dumps", policy="exact"))
         assert s.ok and s.count("written") == 1
         outs.append(tmp_path / k / "dumps")
     for name in ("d0",):

@@ -18,7 +18,7 @@ import hashlib, json, os, sys
 import numpy as np
 from l47.engine import strata as st
 from l47.engine.gguf_export import load_hf_from_gguf
-from l47.engine.hf import capture, generate
+from l47.engine.hf import SamplerSettings, capture, generate
 
 args = sys.argv[1:]
 opt = dict(zip(args[::2], args[1::2]))
@@ -35,8 +35,8 @@ if "--generate" in opt:
     stop = [int(x) for x in opt["--stop"].split(",")] if "--stop" in opt else []
     sampler = {{"seed": int(opt["--seed"]), "temperature": float(opt["--temperature"]), "top_p": float(opt["--top-p"]),
                "top_k": int(opt["--top-k"]), "max_new_tokens": int(opt["--generate"]), "stop_ids": stop}}
-    ids = ids + generate(m, ids, sampler["max_new_tokens"], sampler["seed"], sampler["temperature"],
-                         sampler["top_p"], sampler["top_k"], stop)
+    ids = ids + generate(m, ids, SamplerSettings(sampler["max_new_tokens"], sampler["seed"], sampler["temperature"],
+                                                 sampler["top_p"], sampler["top_k"], tuple(stop)))
 a = capture(m, ids, topk=k)
 T = len(ids) - 1
 words = np.empty((T, 1 + 2 * k), "<u4")
@@ -82,11 +82,11 @@ def _docs(tmp_path) -> Path:
 
 
 def test_forced_route_matches_hf_route(tmp_path, tiny_gguf, fake_bin):
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
     from l47.dumps import read_dump
 
-    s = run_dump("strata", tiny_gguf, _docs(tmp_path), tmp_path / "st", engine_bin=fake_bin)
-    h = run_dump("hf", tiny_gguf, _docs(tmp_path), tmp_path / "hf")
+    s = run_dump(DumpJob(tiny_gguf, _docs(tmp_path), tmp_path / "st", engine="strata", engine_bin=fake_bin))
+    h = run_dump(DumpJob(tiny_gguf, _docs(tmp_path), tmp_path / "hf"))
     assert s.ok and h.ok and s.count("written") == 2
     for name in ("plain", "chat"):
         a = read_dump(next((tmp_path / "st").glob(f"{name}*.safetensors")))
@@ -100,11 +100,12 @@ def test_forced_route_matches_hf_route(tmp_path, tiny_gguf, fake_bin):
 
 
 def test_generate_route_records_provenance(tmp_path, tiny_gguf, fake_bin):
-    from l47.app.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
     from l47.dumps import read_dump
 
-    s = run_dump("strata", tiny_gguf, _docs(tmp_path), tmp_path / "g", engine_bin=fake_bin,
-                 generate=GenerateOptions(max_new_tokens=8, seed=3, temperature=0.0, top_p=1.0, top_k=0))
+    gen = GenerateOptions(max_new_tokens=8, seed=3, temperature=0.0, top_p=1.0, top_k=0)
+    s = run_dump(DumpJob(tiny_gguf, _docs(tmp_path), tmp_path / "g", engine="strata", engine_bin=fake_bin,
+                         generate=gen))
     assert s.ok, [r.message for r in s.results]
     d = read_dump(next((tmp_path / "g").glob("chat*.safetensors")))
     assert d.meta.provenance.get("assistant") in ("generated", "mixed")

@@ -156,11 +156,11 @@ def test_load_hf_checkpoint_dir(tmp_path, tiny_hf_model):
 
 def test_run_dump_from_checkpoint_dir(tmp_path, tiny_hf_model, tiny_vocab):
     """The engine on a transformers checkpoint: tail weights straight from the model, model id "hf:…"."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
     from l47.dumps import read_dump
 
     tiny_hf_model(0).save_pretrained(tmp_path / "ckpt")
-    s = run_dump("hf", tmp_path / "ckpt", _docs(tmp_path, "plain"), tmp_path / "out", vocab=tiny_vocab)
+    s = run_dump(DumpJob(tmp_path / "ckpt", _docs(tmp_path, "plain"), tmp_path / "out", vocab=tiny_vocab))
     assert [r.status for r in s.results] == ["written"] and s.results[0].max_abs <= TOL
     d = read_dump(s.results[0].path)
     assert d.meta.model == eng.model_id(tmp_path / "ckpt") and d.meta.model.startswith("hf:")
@@ -284,20 +284,21 @@ def test_generate_deterministic_and_greedy(tiny_hf_model):
     m = tiny_hf_model(0)
     prompt = _ids(6, seed=2)
     kw = dict(temperature=0.9, top_p=0.95, top_k=50)
-    g1 = eng.generate(m, prompt, 12, seed=11, **kw)
-    assert g1 == eng.generate(m, prompt, 12, seed=11, **kw) and len(g1) == 12
-    assert g1 != eng.generate(m, prompt, 12, seed=12, **kw)
+    g1 = eng.generate(m, prompt, eng.SamplerSettings(12, seed=11, **kw))
+    assert g1 == eng.generate(m, prompt, eng.SamplerSettings(12, seed=11, **kw)) and len(g1) == 12
+    assert g1 != eng.generate(m, prompt, eng.SamplerSettings(12, seed=12, **kw))
     # greedy through the KV cache == argmax of a full forward at every step (no cache: independent path)
-    greedy = eng.generate(m, prompt, 6, seed=0, temperature=0)
+    greedy = eng.generate(m, prompt, eng.SamplerSettings(6, seed=0, temperature=0))
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(6):
             seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
     assert greedy == seq[len(prompt):]
-    assert eng.generate(m, prompt, 6, seed=5, temperature=1.0, top_k=1) == greedy
+    assert eng.generate(m, prompt, eng.SamplerSettings(6, seed=5, temperature=1.0, top_k=1)) == greedy
     # a stop id ends generation and is included
     stop = greedy[3]
-    assert eng.generate(m, prompt, 6, seed=0, temperature=0, stop_ids=[stop]) == greedy[: greedy.index(stop) + 1]
+    assert eng.generate(m, prompt, eng.SamplerSettings(6, seed=0, temperature=0, stop_ids=(stop,))) == \
+        greedy[: greedy.index(stop) + 1]
 
 
 def test_sampler_filters():
@@ -340,15 +341,15 @@ def _docs(d, only: str | None = None):
 @pytest.fixture(scope="module")
 def base_dumps(tmp_path_factory, tiny_gguf):
     """One `l47 dump` of the two documents with the GGUF-built engine, shared by the end-to-end tests."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
 
     d = tmp_path_factory.mktemp("base_dumps")
     docs = _docs(d)
-    return run_dump("hf", tiny_gguf, docs, d / "out"), docs, d / "out"
+    return run_dump(DumpJob(tiny_gguf, docs, d / "out")), docs, d / "out"
 
 
 def test_run_dump_end_to_end(tmp_path, tiny_gguf, tiny_vocab, base_dumps):
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
     from l47.dumps import read_dump
     from l47.dumps.chat import render_chat
 
@@ -371,7 +372,7 @@ def test_run_dump_end_to_end(tmp_path, tiny_gguf, tiny_vocab, base_dumps):
     assert (p.role == names.ROLE_ID["assistant"]).all() and p.meta.provenance == {"assistant": "written"}
     # resumable: same inputs and model -> skipped, files untouched
     mtime = (out / "chat-1.safetensors").stat().st_mtime_ns
-    s2 = run_dump("hf", tiny_gguf, docs, out)
+    s2 = run_dump(DumpJob(tiny_gguf, docs, out))
     assert [r.status for r in s2.results] == ["skipped", "skipped"]
     assert (out / "chat-1.safetensors").stat().st_mtime_ns == mtime
     # a different model (other bytes) over a copy of the dumps -> dumped again
@@ -381,7 +382,7 @@ def test_run_dump_end_to_end(tmp_path, tiny_gguf, tiny_vocab, base_dumps):
         fh.write(b"\0" * 32)  # trailing padding: same tensors, another sha256
     out2 = tmp_path / "copy"
     shutil.copytree(out, out2)
-    s3 = run_dump("hf", other, _docs(tmp_path, "chat"), out2, ref_logits=True)
+    s3 = run_dump(DumpJob(other, _docs(tmp_path, "chat"), out2, ref_logits=True))
     assert [r.status for r in s3.results] == ["written"]
     d3 = read_dump(out2 / "chat-1.safetensors")
     assert d3.ref_logits is not None and d3.meta.model == open_gguf(other).sha256() != d.meta.model
@@ -403,30 +404,30 @@ def test_run_dump_scores_identically_through_l47_score(base_dumps, tiny_gguf):
 
 
 def test_run_dump_refuses_above_tolerance_and_bad_layer(tmp_path, tiny_gguf):
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
 
     out = tmp_path / "d"
     docs = _docs(tmp_path, "plain")
-    s = run_dump("hf", tiny_gguf, docs, out, tolerance=0.0)
+    s = run_dump(DumpJob(tiny_gguf, docs, out, tolerance=0.0))
     # f32 sums in two orders differ by ~1e-6: at tolerance 0 the document is refused, not left as a dump
     assert [r.status for r in s.results] == ["refused"] and not s.ok and s.results[0].max_abs > 0
     assert not list(out.glob("*.safetensors")) and len(list(out.glob("*.safetensors.refused"))) == 1
-    s2 = run_dump("hf", tiny_gguf, docs, out)  # passes now; the stale refusal is removed
+    s2 = run_dump(DumpJob(tiny_gguf, docs, out))  # passes now; the stale refusal is removed
     assert [r.status for r in s2.results] == ["written"] and not list(out.glob("*.refused"))
     with pytest.raises(L47Error, match="layer"):
-        run_dump("hf", tiny_gguf, docs, out, layer=1)
+        run_dump(DumpJob(tiny_gguf, docs, out, layer=1))
     with pytest.raises(L47Error, match="strata"):
-        run_dump("strata", tiny_gguf, docs, out)
+        run_dump(DumpJob(tiny_gguf, docs, out, engine="strata"))
 
 
 def test_run_dump_generate_mode(tmp_path, tiny_gguf, tiny_vocab):
-    from l47.app.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
     from l47.dumps import read_dump
 
     gen = GenerateOptions(max_new_tokens=12, seed=3, temperature=0.8, top_p=0.95, top_k=40, think=True)
     docs = _docs(tmp_path, "chat")
-    a = run_dump("hf", tiny_gguf, docs, tmp_path / "a", generate=gen)
-    b = run_dump("hf", tiny_gguf, docs, tmp_path / "b", generate=gen)
+    a = run_dump(DumpJob(tiny_gguf, docs, tmp_path / "a", generate=gen))
+    b = run_dump(DumpJob(tiny_gguf, docs, tmp_path / "b", generate=gen))
     assert [r.status for r in a.results] == ["written"] and a.results[0].max_abs <= TOL
     da, db = read_dump(tmp_path / "a" / "chat-1.safetensors"), read_dump(tmp_path / "b" / "chat-1.safetensors")
     assert np.array_equal(da.tokens, db.tokens)  # seeded: the same sample twice
@@ -443,7 +444,7 @@ def test_run_dump_generate_mode(tmp_path, tiny_gguf, tiny_vocab):
 def test_engine_on_transplanted_bundle_matches_tail_prediction(tmp_path, tiny_gguf, base_dumps):
     """Seed §3.1: the transplanted GGUF's own log p(next) = the tail forward's prediction from the BASE dumps
     plus the edit (W_sd + ΔW re-quantised to Q8_0, as it ships)."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
     from l47.dumps import read_dump
     from l47.tail.forward import score_dump
     from l47.model.gguf_io import copy_with_tensor_replaced
@@ -456,7 +457,7 @@ def test_engine_on_transplanted_bundle_matches_tail_prediction(tmp_path, tiny_gg
     raw = gq.quantize((w.W_sd + dW).numpy(), QT.Q8_0)
     bundle = copy_with_tensor_replaced(tiny_gguf, tmp_path / "bundle.gguf", {w.target: raw})
     W_new = runtime_tensor(open_gguf(bundle), w.target, "strata")
-    run_dump("hf", bundle, docs, edit_out)
+    run_dump(DumpJob(bundle, docs, edit_out))
     files = sorted(base_out.glob("*.safetensors"))
     assert len(files) == 2
     for f in files:
@@ -481,7 +482,7 @@ def _dump_bytes(out) -> dict[str, bytes]:
 def test_run_dump_across_devices_byte_identical(tmp_path, tiny_gguf, base_dumps, how):
     """Tolerance 0 (file bytes): the same f32 operations run on the same CPU, only the weights' home differs;
     the capture hooks on layer L fire although its weights live on disk until their turn."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
     from l47.engine.gguf_export import load_hf_from_gguf
 
     s0, docs, out0 = base_dumps
@@ -501,7 +502,7 @@ def test_run_dump_across_devices_byte_identical(tmp_path, tiny_gguf, base_dumps,
     placed = eng.place_model(load_hf_from_gguf(tiny_gguf), placement)
     assert "disk" in placed.hf_device_map.values() and "cpu" in placed.hf_device_map.values()
     assert eng.input_device(placed).type == "cpu" and eng.compute_device_type(placed) == "cpu"
-    s = run_dump("hf", tiny_gguf, docs, tmp_path / "out", placement=placement)
+    s = run_dump(DumpJob(tiny_gguf, docs, tmp_path / "out", placement=placement))
     assert [r.status for r in s.results] == ["written", "written"]
     got, want = _dump_bytes(tmp_path / "out"), _dump_bytes(out0)
     assert list(got) == list(want) and all(got[k] == want[k] for k in want)
@@ -509,14 +510,14 @@ def test_run_dump_across_devices_byte_identical(tmp_path, tiny_gguf, base_dumps,
 
 def test_checkpoint_dir_across_devices_byte_identical(tmp_path, tiny_hf_model, tiny_vocab):
     """A transformers checkpoint loaded straight onto its devices (from_pretrained with max_memory)."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
 
     tiny_hf_model(0).save_pretrained(tmp_path / "ckpt")
     docs = _docs(tmp_path, "plain")
-    run_dump("hf", tmp_path / "ckpt", docs, tmp_path / "one", vocab=tiny_vocab)
+    run_dump(DumpJob(tmp_path / "ckpt", docs, tmp_path / "one", vocab=tiny_vocab))
     placement = eng.parse_placement(None, "cpu=3MiB,disk=1000GiB", tmp_path / "offload")
     assert placement.device_map == "auto" and placement.max_memory == {"cpu": "3MiB", "disk": "1000GiB"}
-    s = run_dump("hf", tmp_path / "ckpt", docs, tmp_path / "split", vocab=tiny_vocab, placement=placement)
+    s = run_dump(DumpJob(tmp_path / "ckpt", docs, tmp_path / "split", vocab=tiny_vocab, placement=placement))
     assert [r.status for r in s.results] == ["written"]
     assert _dump_bytes(tmp_path / "split") == _dump_bytes(tmp_path / "one")
 
@@ -545,7 +546,7 @@ def test_audit_engine_bars_from_the_hf_engine_on_the_transplanted_bundle(tmp_pat
     0.01-nat disagreement in the engine's log p must fail the bar."""
     from dataclasses import replace as dc_replace
 
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
     from l47.dumps import read_dump, write_dump
     from l47.evals.audit import AuditArgs, run_audit
     from l47.model.gguf_io import copy_with_tensor_replaced
@@ -553,13 +554,13 @@ def test_audit_engine_bars_from_the_hf_engine_on_the_transplanted_bundle(tmp_pat
 
     _, docs, _ = base_dumps
     base_out = tmp_path / "base"
-    run_dump("hf", tiny_gguf, docs, base_out, ref_logits=True)  # the engine's base run, full logits kept
+    run_dump(DumpJob(tiny_gguf, docs, base_out, ref_logits=True))  # the engine's base run, full logits kept
     w = load_tail_weights(tiny_gguf, policy="strata")
     dW = torch.randn(w.W_sd.shape, generator=torch.Generator().manual_seed(11)) * 0.05
     bundle = copy_with_tensor_replaced(tiny_gguf, tmp_path / "bundle.gguf",
                                        {w.target: gq.quantize((w.W_sd + dW).numpy(), QT.Q8_0)})
     edit_out = tmp_path / "edit"
-    run_dump("hf", bundle, docs, edit_out, ref_logits=True)  # the engine runs the bundle itself: no tail code
+    run_dump(DumpJob(bundle, docs, edit_out, ref_logits=True))  # the engine runs the bundle itself: no tail code
     files = sorted(base_out.glob("*.safetensors"))
     exp = tmp_path / "exp.toml"
     exp.write_text("\n".join([

@@ -143,7 +143,7 @@ def ref(tiny_gguf):
     finally:
         h.remove()
     prompt = ids[:10]
-    new = eng.generate(m, prompt, 12, seed=0, temperature=0)
+    new = eng.generate(m, prompt, eng.SamplerSettings(12, seed=0, temperature=0))
     g = eng.capture(m, prompt + new, topk=K)
     return {"a": a, "XF": xf["XF"][:-1].numpy(), "tail": load_tail_weights(tiny_gguf, policy="strata"),
             "sha": open_gguf(tiny_gguf).sha256(), "prompt": prompt, "new": new, "g": g, "ids": ids}
@@ -443,7 +443,7 @@ def fake_engine(tmp_path, ref, monkeypatch):
 
 def test_end_to_end_forced(tmp_path, ref, tiny_gguf, fake_engine):
     a = ref["a"]
-    raw = st.run_strata(fake_engine, tiny_gguf, a["tokens"].tolist(), tmp_path / "raw", LAST, topk=K)
+    raw = st.run_strata(st.StrataRun(fake_engine, tiny_gguf, LAST, topk=K), a["tokens"].tolist(), tmp_path / "raw")
     # the adapter's own request file is exactly the contract's bytes
     assert (raw / "request.tokens").read_bytes() == enc("tokens", -1, a["tokens"][:, None])
     T = a["tokens"].shape[0] - 1
@@ -456,7 +456,7 @@ def test_end_to_end_forced(tmp_path, ref, tiny_gguf, fake_engine):
     assert mx <= TOL_F32
     # a second run into the same directory starts clean: a stale file is never read as this run's
     (raw / f"L{LAST}.mixed").write_bytes(b"stale")
-    st.run_strata(fake_engine, tiny_gguf, a["tokens"].tolist(), raw, LAST, topk=K)
+    st.run_strata(st.StrataRun(fake_engine, tiny_gguf, LAST, topk=K), a["tokens"].tolist(), raw)
     assert not (raw / f"L{LAST}.mixed").exists()
     st.remove_raw(raw, LAST)
     assert not raw.exists()
@@ -468,7 +468,7 @@ def test_end_to_end_generate(tmp_path, ref, tiny_gguf, fake_engine):
     prompt, new, g = ref["prompt"], ref["new"], ref["g"]
     P = len(prompt)
     smp = SamplerSettings(max_new_tokens=len(new), seed=0, temperature=0.0, stop_ids=(1000, 1001))
-    raw_dir = st.run_strata(fake_engine, tiny_gguf, prompt, tmp_path / "raw", LAST, smp, topk=K)
+    raw_dir = st.run_strata(st.StrataRun(fake_engine, tiny_gguf, LAST, topk=K), prompt, tmp_path / "raw", smp)
     raw = st.read_raw(raw_dir)
     assert raw["tokens"].tolist() == prompt + new  # the engine's sampled ids, read back
     T = len(prompt) + len(new) - 1
@@ -496,11 +496,11 @@ def test_end_to_end_generate(tmp_path, ref, tiny_gguf, fake_engine):
 def test_engine_failure_shows_stderr(tmp_path, tiny_gguf):
     b = _exe(tmp_path / "strata", "#!/bin/sh\necho 'Metal device not found' >&2\nexit 2\n")
     with pytest.raises(L47Error, match=r"exit status: expected 0, found 2; stderr: Metal device not found"):
-        st.run_strata(b, tiny_gguf, [1, 2, 3], tmp_path / "raw", LAST)
+        st.run_strata(st.StrataRun(b, tiny_gguf, LAST), [1, 2, 3], tmp_path / "raw")
     with pytest.raises(L47Error, match=r"tokens: expected at least 2"):
-        st.run_strata(b, tiny_gguf, [1], tmp_path / "raw", LAST)
+        st.run_strata(st.StrataRun(b, tiny_gguf, LAST), [1], tmp_path / "raw")
     with pytest.raises(L47Error, match="no such file"):
-        st.run_strata(b, tmp_path / "none.gguf", [1, 2], tmp_path / "raw", LAST)
+        st.run_strata(st.StrataRun(b, tmp_path / "none.gguf", LAST), [1, 2], tmp_path / "raw")
 
 
 def test_env_and_argv(tmp_path):

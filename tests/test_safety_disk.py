@@ -35,11 +35,11 @@ def _docs(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("ref_logits", [False, True], ids=["states", "with-ref-logits"])
 def test_estimate_bounds_the_bytes_written(tmp_path, tiny_gguf, ref_logits):
-    from l47.app.dumping import _HEADER_BASE, _HEADER_PER_TEXT_BYTE, estimate_dump_bytes, run_dump
+    from l47.app.dumping import _HEADER_BASE, _HEADER_PER_TEXT_BYTE, DumpJob, estimate_dump_bytes, run_dump
 
     docs, out = _docs(tmp_path), tmp_path / "d"
     est, k = estimate_dump_bytes(tiny_gguf, docs, out, ref_logits=ref_logits)
-    s = run_dump("hf", tiny_gguf, docs, out, ref_logits=ref_logits)
+    s = run_dump(DumpJob(tiny_gguf, docs, out, ref_logits=ref_logits))
     assert s.ok and k == 4 == s.count("written")
     actual = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     text = sum(len(t.encode()) for t in TEXTS) + 200  # the chat's rendered text is < 200 bytes
@@ -51,12 +51,12 @@ def test_estimate_bounds_the_bytes_written(tmp_path, tiny_gguf, ref_logits):
 
 
 def test_estimate_bounds_generated_dumps(tmp_path, tiny_gguf):
-    from l47.app.dumping import GenerateOptions, estimate_dump_bytes, run_dump
+    from l47.app.dumping import DumpJob, GenerateOptions, estimate_dump_bytes, run_dump
 
     docs, out = _docs(tmp_path), tmp_path / "g"
     gen = GenerateOptions(max_new_tokens=12, seed=1)
     est, k = estimate_dump_bytes(tiny_gguf, docs, out, gen)
-    s = run_dump("hf", tiny_gguf, docs, out, generate=gen)
+    s = run_dump(DumpJob(tiny_gguf, docs, out, generate=gen))
     assert s.ok and k == 4
     assert sum(p.stat().st_size for p in out.glob("*.safetensors")) <= est
 

@@ -102,7 +102,7 @@ def test_interrupted_strata_dump_leaves_nothing(tmp_path, tiny_gguf, sig, code):
 def test_interrupt_keeps_the_users_files(tmp_path, tiny_gguf, fake_bin_factory):
     """A folder the user made (with a file of theirs, and their own .strata-raw note) keeps exactly that; a rerun
     then completes and gives the bytes of an uninterrupted run."""
-    from l47.app.dumping import run_dump
+    from l47.app.dumping import DumpJob, run_dump
 
     out = tmp_path / "dumps"
     (out / ".strata-raw").mkdir(parents=True)
@@ -115,8 +115,8 @@ def test_interrupt_keeps_the_users_files(tmp_path, tiny_gguf, fake_bin_factory):
     assert _tree(out) == before  # no .pending, no raw folder, the user's files as they were
 
     fake = fake_bin_factory(tmp_path)
-    s = run_dump("strata", tiny_gguf, _docs(tmp_path), out, engine_bin=fake)
-    ref = run_dump("strata", tiny_gguf, _docs(tmp_path), tmp_path / "ref", engine_bin=fake)
+    s = run_dump(DumpJob(tiny_gguf, _docs(tmp_path), out, engine="strata", engine_bin=fake))
+    ref = run_dump(DumpJob(tiny_gguf, _docs(tmp_path), tmp_path / "ref", engine="strata", engine_bin=fake))
     assert s.ok and ref.ok and s.count("written") == 1
     assert (out / "plain.safetensors").read_bytes() == (tmp_path / "ref" / "plain.safetensors").read_bytes()
     assert _tree(out).keys() == before.keys() | {"plain.safetensors"}  # the raw folder emptied again

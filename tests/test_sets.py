@@ -70,7 +70,7 @@ def _meta(doc_id, sha, prov, text):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_hf_model, tiny_vocab, tiny_gguf):
-    from l47.engine.hf import capture, generate, model_id
+    from l47.engine.hf import SamplerSettings, capture, generate, model_id
 
     root = tmp_path_factory.mktemp("sets")
     model = tiny_hf_model(0)
@@ -103,7 +103,7 @@ def world(tmp_path_factory, tiny_hf_model, tiny_vocab, tiny_gguf):
     dump("salad", *render_plain(salad, v), written, salad, states="synth")
     # the model's own generations: sampled with top_k 20; one claims greedy (inconsistent), one another model
     prompt = v.encode("User: How do I bake bread? Assistant:")
-    new = generate(model, prompt, 16, seed=7, temperature=1.0, top_k=20)  # decode path: ~0.25 s a token here
+    new = generate(model, prompt, SamplerSettings(16, seed=7, temperature=1.0, top_k=20))  # decode: ~0.25 s a token
     for name, claim_k, gen_model in (("gen_ok", 20, sha), ("gen_lies", 1, sha), ("gen_other", 20, SHA_OTHER)):
         ids = prompt + new
         role = [names.ROLE_ID["user"]] * (len(prompt) - 1) + [names.ROLE_ID["assistant"]] * len(new)

@@ -265,7 +265,7 @@ def dump(
     """Run an engine over documents -> dump files, with the zero-proxy check per document.\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    from l47.app.dumping import GenerateOptions, run_dump
+    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
     from l47.engine.hf import parse_placement
 
     placement = parse_placement(device_map, max_memory, offload_dir)
@@ -277,9 +277,10 @@ def dump(
     gen = GenerateOptions(max_new_tokens, seed, temperature, top_p, top_k, think=True if think else None) \
         if generate else None
     check_dump(inputs, model, out, gen, ref_logits)  # paths and disk space, before the model is loaded
-    summary = run_dump(engine, model, inputs, out, layer, gen, ref_logits, console, tolerance=tolerance,
-                       policy=policy, device=device, engine_bin=engine_bin, placement=placement, batch=batch)
-    raise typer.Exit(summary.exit_code)
+    job = DumpJob(model, inputs, out, engine=engine, layer=layer, generate=gen, ref_logits=ref_logits,
+                  tolerance=tolerance, policy=policy, device=device, engine_bin=engine_bin, placement=placement,
+                  batch=batch)
+    raise typer.Exit(run_dump(job, console).exit_code)
 
 
 @app.command()

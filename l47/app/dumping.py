@@ -224,22 +224,26 @@ def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role
         r = render_document(doc, vocab, plain_role)
         return _Rendered(list(r.tokens), r.role, provenance_of(r.role, None), r.text)
     p = _prompt(doc, vocab, gen, plain_role)
-    new = sampled if sampled is not None else generate(
-        model, p.ids, gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p, gen.top_k,
-        p.stop, p.where)
+    new = sampled if sampled is not None else generate(model, p.ids, _sampler(gen, doc, p), p.where)
     return _with_generation(doc, vocab, gen, p, new, mid, "hf")
+
+
+def _sampler(gen: GenerateOptions, doc, p: _Prompt):
+    """The engine's sampler for one document's turn: the run's options, the document's own seed, its stop ids."""
+    from l47.engine.hf import SamplerSettings
+
+    return SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p, gen.top_k,
+                           tuple(p.stop))
 
 
 def _sample_batch(model, docs, prompts, gen: GenerateOptions) -> list[list[int]]:
     """The sampled turns of several documents in one padded batch (engine.hf.generate_batch: the same ids as one
     at a time); [] when the batch fails (e.g. an id outside the model: each document then fails on its own,
     with its name)."""
-    from l47.engine.hf import SamplerSettings, generate_batch
+    from l47.engine.hf import generate_batch
 
-    settings = [SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, d.id), gen.temperature, gen.top_p, gen.top_k,
-                                tuple(p.stop)) for d, p in zip(docs, prompts)]
     try:
-        return generate_batch(model, [p.ids for p in prompts], settings)
+        return generate_batch(model, [p.ids for p in prompts], [_sampler(gen, d, p) for d, p in zip(docs, prompts)])
     except L47Error:
         return []
 
@@ -249,21 +253,17 @@ def _strata_document(job: "DumpJob", eng: "_LoadedEngine", doc, raw_dir: Path, s
     from l47.dumps import DumpMeta
     from l47.dumps.chat import render_document
     from l47.engine import strata
-    from l47.engine.hf import SamplerSettings
 
     gen, vocab, mid = job.generate, eng.vocab, eng.mid
-    run = dict(topk=job.topk, ref_logits=job.ref_logits)
     if gen is None:
         r = render_document(doc, vocab, job.plain_role)
-        strata.run_strata(eng.sbin, job.model_path, list(r.tokens), raw_dir, eng.L, **run)
+        strata.run_strata(eng.strata, list(r.tokens), raw_dir)
         base = {"doc_id": doc.id, "text": r.text, "role": r.role, "provenance": provenance_of(r.role, None),
                 "model": mid, "source": source}
         arrays, fields = strata.convert(raw_dir, base)
         return arrays, DumpMeta(**fields)
     p = _prompt(doc, vocab, gen, job.plain_role)
-    settings = SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p,
-                               gen.top_k, tuple(p.stop))
-    strata.run_strata(eng.sbin, job.model_path, p.ids, raw_dir, eng.L, settings, **run)
+    strata.run_strata(eng.strata, p.ids, raw_dir, _sampler(gen, doc, p))
     raw = strata.read_raw(raw_dir)
     new = [int(t) for t in np.asarray(raw[strata.K_TOKENS])[len(p.ids):]]
     r = _with_generation(doc, vocab, gen, p, new, mid, "strata")
@@ -457,33 +457,64 @@ def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
 
 @dataclass(frozen=True)
 class DumpJob:
-    """Everything one `l47 dump` run is asked to do (the arguments of `run_dump`, checked and resolved)."""
+    """Everything one `l47 dump` run is asked to do: the CLI, the demo, export's self-check, the scripts and the
+    tests build one and hand it to `run_dump`. Checked when built (an L47Error names the option).
 
-    engine: str
+    engine      "hf" (transformers reference engine) or "strata" (the external binary, engine/CONTRACT.md)
+    model_path  a qwen4exp GGUF written by l47's exporter (tensors dequantised under `policy`, vocabulary from
+                its metadata) or a transformers checkpoint directory (vocabulary: its own tokenizer.json)
+    inputs      JSONL path, datasets path/object, or a DocumentSet
+    layer       must be the last layer (the exact tail forward holds only there); None = the last
+    generate    sample the assistant turn (GenerateOptions); None = the documents as written
+    tolerance   zero-proxy bar in nats; None = the engine's default (DEFAULT_TOLERANCE)
+    vocab       the vocabulary the documents are rendered with; None = the model's own
+    placement   hf engine across devices (l47.engine.hf.Placement: device map, max memory, offload folder);
+                None = the whole model on `device`. The tail weights of the zero-proxy check stay on `device`.
+    batch       hf engine: documents whose turns are sampled together (padded; the same ids as one at a time)
+    """
+
     model_path: Path
-    inputs: object  # JSONL path, datasets path/object, or a DocumentSet
+    inputs: object
     out_dir: Path
-    layer: int | None
-    generate: GenerateOptions | None
-    ref_logits: bool
-    tolerance: float  # nats, resolved (the engine's default when not given)
-    policy: str
-    device: str
-    vocab: object | None  # None: the model's own
-    plain_role: str
-    topk: int
-    split: str | None
-    engine_bin: object | None
-    placement: object | None
-    batch: int
+    engine: str = "hf"
+    layer: int | None = None
+    generate: GenerateOptions | None = None
+    ref_logits: bool = False
+    tolerance: float | None = None
+    policy: str = "strata"
+    device: str = "cpu"
+    vocab: object | None = None
+    plain_role: str = "assistant"
+    topk: int = 8
+    split: str | None = None
+    engine_bin: object | None = None
+    placement: object | None = None
+    batch: int = DEFAULT_BATCH
+
+    def __post_init__(self) -> None:
+        if self.model_path is None or self.inputs is None or self.out_dir is None:
+            raise L47Error("l47 dump", "arguments", "model_path, inputs and out_dir", "one missing")
+        object.__setattr__(self, "model_path", Path(self.model_path))  # frozen: set once, here
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if int(self.batch) < 1:
+            raise L47Error("l47 dump", "--batch", "an integer >= 1", str(self.batch))
+        if self.engine not in ENGINES:
+            raise L47Error("l47 dump", "--engine", f"one of {list(ENGINES)}", repr(self.engine))
+        if self.plain_role not in names.ROLE_ID:
+            raise L47Error("l47 dump", "plain_role", f"one of {list(names.ROLES)}", repr(self.plain_role))
+
+    @property
+    def bar(self) -> float:
+        """The zero-proxy tolerance this run applies, nats."""
+        return DEFAULT_TOLERANCE[self.engine] if self.tolerance is None else float(self.tolerance)
 
 
 @dataclass(frozen=True)
 class _LoadedEngine:
-    """The engine a job runs: the hf model (None for Strata) or the Strata binary, the tail weights of the
-    zero-proxy check, the model id, the engine's metadata and the vocabulary the documents are rendered with."""
+    """The engine a job runs: the hf model (None for Strata) or how the Strata binary runs, the tail weights of
+    the zero-proxy check, the model id, the engine's metadata and the vocabulary the documents are rendered with."""
 
-    sbin: Path | None
+    strata: object | None  # l47.engine.strata.StrataRun
     model: object | None
     tail: object
     mid: str
@@ -532,47 +563,15 @@ class _Reporter:
             self.progress.stop()
 
 
-def run_dump(engine: str = "hf", model_path=None, inputs=None, out_dir=None, layer: int | None = None,
-             generate: GenerateOptions | None = None, ref_logits: bool = False, console=None, *,
-             tolerance: float | None = None, policy: str = "strata", device: str = "cpu", vocab=None,
-             plain_role: str = "assistant", topk: int = 8, split: str | None = None,
-             engine_bin=None, placement=None, batch: int = DEFAULT_BATCH) -> DumpSummary:
-    """Dump every document of `inputs` (JSONL path, datasets path/object, or a DocumentSet) into `out_dir`.
-
-    Many parameters on purpose: this is the keyword API of `l47 dump` that the CLI, the demo, export and the tests
-    call; it only checks them into a `DumpJob` and runs `dump_job`.
-
-    engine      "hf" (transformers reference engine) or "strata" (the external binary, engine/CONTRACT.md)
-    model_path  a qwen4exp GGUF written by l47's exporter (tensors dequantised under `policy`, vocabulary from
-                its metadata) or a transformers checkpoint directory (vocabulary: its own tokenizer.json)
-    layer       must be the last layer (the exact tail forward holds only there); None = the last
-    tolerance   zero-proxy bar in nats (default 1e-4 for hf)
-    placement   hf engine across devices (l47.engine.hf.Placement: device map, max memory, offload folder);
-                None = the whole model on `device`. The tail weights of the zero-proxy check stay on `device`.
-    console     a rich Console for the progress bar and per-document lines; None = silent
-    batch       hf engine: documents whose turns are sampled together (padded; the same ids as one at a time)
-    """
-    if int(batch) < 1:
-        raise L47Error("l47 dump", "--batch", "an integer >= 1", str(batch))
-    if engine not in ENGINES:
-        raise L47Error("l47 dump", "--engine", f"one of {list(ENGINES)}", repr(engine))
-    if model_path is None or inputs is None or out_dir is None:
-        raise L47Error("l47 dump", "arguments", "model_path, inputs and out_dir", "one missing")
-    if plain_role not in names.ROLE_ID:
-        raise L47Error("l47 dump", "plain_role", f"one of {list(names.ROLES)}", repr(plain_role))
-    tol = DEFAULT_TOLERANCE[engine] if tolerance is None else float(tolerance)
-    job = DumpJob(engine, Path(model_path), inputs, Path(out_dir), layer, generate, ref_logits, tol, policy, device,
-                  vocab, plain_role, topk, split, engine_bin, placement, batch)
-    return dump_job(job, console)
-
-
-def dump_job(job: DumpJob, console=None) -> DumpSummary:
-    """load engine -> plan documents -> dump each (resumable, errors collected) -> summary."""
+def run_dump(job: DumpJob, console=None) -> DumpSummary:
+    """Dump every document of `job.inputs` into `job.out_dir`: load engine -> plan documents -> dump each
+    (resumable, errors collected) -> summary. `console`: a rich Console for the progress bar and per-document
+    lines; None = silent."""
     eng = _load_job_engine(job)
     docset = _plan_documents(job, eng.vocab)
     report = _Reporter(console, len(docset.docs), docset.errors)
     results = _dump_documents(job, eng, docset.docs, report)
-    summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), eng.mid, eng.meta, job.tolerance,
+    summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), eng.mid, eng.meta, job.bar,
                           str(job.out_dir))
     report.say(f"dump: {summary.count(STATUS_WRITTEN)} written, {summary.count(STATUS_SKIPPED)} skipped, "
                f"{summary.count(STATUS_REFUSED)} refused, {summary.count(STATUS_ERROR)} failed, "
@@ -593,7 +592,8 @@ def _load_job_engine(job: DumpJob) -> _LoadedEngine:
             raise L47Error(job.model_path, "model", "the qwen4exp GGUF the Strata binary runs", "not a file")
         tail = load_tail_weights(job.model_path, policy=job.policy, device=job.device, layer=job.layer)
         mid, default_vocab = model_id(job.model_path), vocab_for_model(job.model_path)
-        return _LoadedEngine(sbin, None, tail, mid, {"name": "strata", "bin": str(sbin)}, job.vocab or default_vocab)
+        run = strata.StrataRun(sbin, job.model_path, tail.layer, topk=job.topk, ref_logits=job.ref_logits)
+        return _LoadedEngine(run, None, tail, mid, {"name": "strata", "bin": str(sbin)}, job.vocab or default_vocab)
     if job.vocab is None and job.model_path.is_dir():  # the checkpoint's own tokenizer, checked before loading
         from l47.engine.gguf_export import read_hf_config
         from l47.model.vocab import vocab_from_checkpoint
@@ -623,7 +623,7 @@ def _dump_documents(job: DumpJob, eng: _LoadedEngine, docs, report: _Reporter) -
     made = _missing_dirs(job.out_dir)  # the folders this run creates (removed again if it ends with them empty)
     job.out_dir.mkdir(parents=True, exist_ok=True)
     raw_root = job.out_dir / STRATA_RAW
-    raw_made = eng.sbin is not None and not raw_root.exists()
+    raw_made = eng.strata is not None and not raw_root.exists()
     results: dict[int, DocResult] = {}
     try:
         report.start()
@@ -655,7 +655,7 @@ def _batches(job: DumpJob, eng: _LoadedEngine, docs):
     documents are dumped (a sampled turn depends only on its document: engine.hf.generate_batch)."""
     from l47.engine.hf import batchable
 
-    bs = job.batch if (job.generate is not None and eng.sbin is None and batchable(eng.model)) else 1
+    bs = job.batch if (job.generate is not None and eng.strata is None and batchable(eng.model)) else 1
     if bs == 1:
         yield from (([k], {}) for k in range(len(docs)))
         return
@@ -693,7 +693,7 @@ def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | N
             report.say(f"  {escape(doc.id)}: skipped (already dumped with the same input and model)")
             return DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model")
         source = _portable_source(job.inputs, doc, ih)
-        if eng.sbin is not None:  # the external Strata binary (engine/CONTRACT.md)
+        if eng.strata is not None:  # the external Strata binary (engine/CONTRACT.md)
             arrays, meta = _strata_document(job, eng, doc, raw_root / path.stem, source)
         else:
             arrays, meta = _hf_document(job, eng, doc, sampled, source)
@@ -703,7 +703,7 @@ def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | N
         return DocResult(doc.id, STATUS_ERROR, None, message=str(e))
     finally:
         pending.unlink(missing_ok=True)  # never left behind, whatever failed (an interrupt included)
-        if eng.sbin is not None:
+        if eng.strata is not None:
             from l47.engine import strata
 
             strata.remove_raw(raw_root / path.stem, eng.L)  # the engine's contract files, nothing else
@@ -739,13 +739,13 @@ def _write_checked(job: DumpJob, eng: _LoadedEngine, doc_id: str, arrays, meta, 
     T = int(len(arrays["tokens"]) - 1)
     write_dump(pending, arrays, meta)
     mx, mean = zero_proxy(eng.tail, read_dump(pending))
-    if mx <= job.tolerance:
+    if mx <= job.bar:
         os.replace(pending, path)
         refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
         report.say(f"  {escape(doc_id)}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
         return DocResult(doc_id, STATUS_WRITTEN, str(path), T, mx, mean)
     os.replace(pending, refused)
-    msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {job.tolerance:.1e} (mean {mean:.3e}); "
+    msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {job.bar:.1e} (mean {mean:.3e}); "
            f"kept as {refused.name}")
     report.say(f"  [red]{escape(doc_id)}: refused[/]: {escape(msg)}")
     return DocResult(doc_id, STATUS_REFUSED, str(refused), T, mx, mean, msg)

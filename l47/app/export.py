@@ -238,8 +238,9 @@ def run_export(args: ExportArgs, log: Callable[[str], None] | None = None) -> Ex
         with temp_dir("l47-export-check-") as tmp:
             src = Path(tmp) / "check.jsonl"
             src.write_text("".join(json.dumps(d) + "\n" for d in CHECK_DOCS), encoding="utf-8")
-            summary = dumping.run_dump("hf", partial, src, Path(tmp) / "dumps", policy="exact",
-                                       device=args.device, tolerance=tol)
+            job = dumping.DumpJob(partial, src, Path(tmp) / "dumps", policy="exact", device=args.device,
+                                  tolerance=tol)
+            summary = dumping.run_dump(job)
             dumping._ENGINE_CACHE.clear()
             docs, failure = [], ""
             for r, res, want, base in zip(rendered, summary.results, ref, f32):
