@@ -386,6 +386,7 @@ def _load_engine(model_path: Path, policy: str, device: str, layer: int | None, 
 def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int | None, placement=None):
     from l47.engine.gguf_export import load_hf, load_hf_from_gguf, read_hf_config
     from l47.engine.hf import engine_meta, load_hf_placed, model_id, place_model, tail_weights_from_model
+    from l47.engine.qsa import share_indexer_work
 
     placed = placement is not None and placement.device_map is not None
 
@@ -411,6 +412,7 @@ def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int
         model = load_hf_placed(model_path, placement) if placed else load_hf(model_path, device=device)
         tail = tail_weights_from_model(model, mid, layer)
         meta = engine_meta(model, source="hf-checkpoint", policy=None)
+    share_indexer_work(model)  # the same selection as transformers' QSA indexer, bit for bit, without its re-pooling
     return model, tail, mid, meta, vocab
 
 
