@@ -998,7 +998,7 @@ def score_documents(ctx: AuditContext, progress=None) -> None:
 
     from l47.data.ledger import EV_BLIND_STARTED
 
-    sc = Scoring(ctx.w, ctx.W_new, ctx.pts, ctx.special_ids, ctx.finals)
+    sc = Scoring(ctx.w, ctx.W_new, ctx.pts, ctx.special_ids, ctx.finals, sampler_tol=ctx.th.sampler_tol)
     # the ledger first: every document about to be scored (by content), against this bundle. The blind
     # document is burned from here on, and a report stub says so until the verdict replaces it
     exp_nb = replace(ctx.exp, sets={k: v for k, v in ctx.exp.sets.items() if k != "blind"})

@@ -236,6 +236,32 @@ def _proxy_zero(ev: Evidence) -> Measure:
     return Measure(p.get("zero_proxy_max"), det)
 
 
+@register("proxy.own_generation", family="not a proxy", direction=LE, threshold="sampler_max_violation_frac",
+          mode=MODE_BOTH, aggregation="max over the scored documents that claim generated text of (tokens outside "
+          "the recorded sampler's support) / (tokens checked); the worst document is named",
+          definition="a document whose provenance says `generated` must be what its recorded sampler (temperature, "
+                     "top-k, top-p, min-p) could draw from the base model's exact logits: greedy -> the argmax, "
+                     "top-k -> among the k most probable, top-p -> inside the nucleus (l47.dumps.select."
+                     "sampler_violations, thresholds.sampler_tol nats of slack). The blind document must claim it "
+                     "and be checkable (a sampler that admits every token proves nothing); in a dev audit, "
+                     "documents that claim no generation are not judged")
+def _proxy_own(ev: Evidence) -> Measure:
+    own = ev.proxy.get("own_generation") or {}
+    frac = {k: v["outside"] / v["checked"] for k, v in own.items() if v["checked"]}
+    undecided = sorted(k for k, v in own.items() if not v["checked"])
+    det = {"per_doc": own, "undecided": undecided}
+    if ev.mode == MODE_BLIND and (not own or undecided):
+        det["why"] = ("the blind document claims no generated text (provenance)" if not own else
+                      "the blind document's recorded sampler admits tokens this check cannot bound (no top-k <= "
+                      "64, no top-p reached inside the top 64, no min-p): it cannot be shown to be the model's "
+                      "own generation; sample it with a top-k or top-p cut")
+        return Measure(None, det)
+    if not frac:
+        return Measure(None, {**det, "why": "no scored document claims generated text"}, applicable=False)
+    worst = max(frac, key=frac.get)
+    return Measure(frac[worst], {**det, "worst_doc": worst})
+
+
 # ----------------------------------------------------------------------------------------------------------
 # (a)–(c) against the solve record (seed §5.3: the failure was positions the solver added)
 

@@ -80,6 +80,7 @@ class DocResult:
     refused: bool
     reasons: tuple[str, ...]
     meta: object  # DumpMeta
+    sampler: object = None  # l47.dumps.select.SamplerCheck of the rows it claims generated (None: claims none)
 
     @property
     def T(self) -> int:
@@ -104,6 +105,7 @@ class Scoring:
     phrase_tuples: Sequence  # [PhraseTuples]
     special_ids: Mapping[str, int]
     finals: Sequence[int]
+    sampler_tol: float = 0.01  # nats of slack in the generated-tokens check (thresholds.sampler_tol)
 
     @property
     def topk(self) -> int:
@@ -131,18 +133,22 @@ def score_document(sc: Scoring, dump, set_name: str, refused: bool = False, reas
     pass already made (any top-k width >= sc.topk), else one pass here."""
     from dataclasses import replace
 
-    from l47.dumps.select import chat_structure, find_events
+    from l47.data.sets import SAMPLER_TOPK
+    from l47.dumps.select import chat_structure, claims_generation, find_events, generation_check
 
-    ps = sc.pair(dump) if ps is None else replace(ps, base=top_k_of(ps.base, sc.topk), new=top_k_of(ps.new, sc.topk))
+    if ps is None:  # a document that claims to be generated keeps the top-k its sampler check reads
+        ps = sc.pair(dump, max(sc.topk, SAMPLER_TOPK) if claims_generation(dump.meta.provenance) else None)
     tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
     role = np.asarray(dump.role).astype(np.uint8)  # [T]
+    own = generation_check(ps.base.logp_target, ps.base.top_logp, role, dump.meta.provenance, sc.sampler_tol)
+    ps = replace(ps, base=top_k_of(ps.base, sc.topk), new=top_k_of(ps.new, sc.topk))
     rows = np.zeros(tokens.shape[0] - 1, dtype=bool)  # [T]
     for e in find_events(tokens, sc.phrase_tuples, role):
         rows[e.pos] = True
     chat = chat_structure(tokens, role, sc.special_ids)
     ref = None if dump.ref_logp is None else np.asarray(dump.ref_logp, dtype=np.float64)
     return DocResult(set_name, str(dump.path), dump.sha256, dump.meta.doc_id, tokens, role, ps, chat, rows,
-                     dump.verified, ref, refused, tuple(reasons), dump.meta)
+                     dump.verified, ref, refused, tuple(reasons), dump.meta, own)
 
 
 def special_cols(special_ids: Mapping[str, int]) -> dict[str, int]:
@@ -169,9 +175,10 @@ def _mean(x) -> float | None:
 
 
 def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float) -> dict:
-    """Base CE over content targets per document (a proxy sits near ln V) and the zero-proxy agreement of the
-    tail forward with the engine's own log p (relative |Δ| = |Δ log p| / max(1, |log p|))."""
-    per, zp = {}, {}
+    """Base CE over content targets per document (a proxy sits near ln V), the zero-proxy agreement of the
+    tail forward with the engine's own log p (relative |Δ| = |Δ log p| / max(1, |log p|)), and, for every
+    document that claims generated text, how many of those tokens its recorded sampler could not have drawn."""
+    per, zp, own = {}, {}, {}
     tmpl = names.ROLE_ID["template"]
     nll_sum, n_tok = 0.0, 0  # pooled over every content target of every scored document (f64)
     for d in docs:
@@ -185,12 +192,15 @@ def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float)
         if d.verified and d.ref_logp is not None:
             rel = np.abs(d.ref_logp - lp) / np.maximum(1.0, np.abs(lp))  # [T]
             zp[d.path] = {"max_rel": float(rel.max()), "mean_abs": float(np.abs(d.ref_logp - lp).mean())}
+        if d.sampler is not None:  # the document claims generated text: is it in its sampler's support?
+            own[d.path] = {"set": d.set, "checked": d.sampler.checked, "undecided": d.sampler.undecided,
+                           "outside": len(d.sampler.violations), "first_rows": list(d.sampler.violations[:5])}
     ce_max = max((v["ce"] for v in per.values()), default=None)
     ce_pooled = nll_sum / n_tok if n_tok else None
     return {"ln_V": math.log(V), "limit": ce_frac * math.log(V), "ce_max": ce_max, "ce_pooled": ce_pooled,
             "tokens": n_tok, "docs": per,
             "zero_proxy": zp, "zero_proxy_max": max((v["max_rel"] for v in zp.values()), default=None),
-            "unverified": sorted(d.path for d in docs if not d.verified), "tol": tol}
+            "unverified": sorted(d.path for d in docs if not d.verified), "tol": tol, "own_generation": own}
 
 
 # ----------------------------------------------------------------------------------------------------------

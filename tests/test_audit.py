@@ -164,16 +164,20 @@ def _dump_arrays(vocab, pts, name, spec, seed):
     return arr, goal
 
 
-def _write_world_dump(path, w, name, spec, arr):
-    """Write a verified dump: ref_logp / top-k / ref_logits are the exact forward's (the 'engine' is exact)."""
+BLIND_SAMPLER = {"temperature": 0.7, "top_p": 0.9, "top_k": 40}  # what the blind chats claim they were drawn with
+
+
+def _write_world_dump(path, w, name, spec, arr, generated: bool | None = None):
+    """Write a verified dump: ref_logp / top-k / ref_logits are the exact forward's (the 'engine' is exact).
+    `generated` (default: the blind set's documents): the assistant / think turns claim to be the model's own
+    generation under BLIND_SAMPLER."""
     from l47.dumps import DumpMeta, read_dump, write_dump
     from l47.tail.forward import full_logits, mix_of_dump, score_dump
 
     prov = {r: WRITTEN for r in {names.ROLES[int(c)] for c in np.unique(arr["role"])}}
-    if DOCS.get(name, ("",))[0] == "blind":  # the blind chat claims to be the model's own generation (DESIGN §4)
+    if DOCS.get(name, ("",))[0] == "blind" if generated is None else generated:  # (DESIGN §4)
         prov.update({r: "generated" for r in ("assistant", "think") if r in prov})
-        prov["generation"] = {"model": w.model_sha256, "prompt": "held back", "seed": 1,
-                              "sampler": {"temperature": 0.7, "top_p": 0.9, "top_k": 40}}
+        prov["generation"] = {"model": w.model_sha256, "prompt": "held back", "seed": 1, "sampler": BLIND_SAMPLER}
     meta = DumpMeta(schema_version=1, doc_id=name, layer=w.layer, n=w.n, f=w.f, hc=w.hc, r=w.r, V=w.V,
                     model=w.model_sha256, engine={"name": "synthetic", "version": "0", "settings": {}},
                     inj_convention="raw", hh_precision="f32", provenance=prov,
@@ -957,3 +961,98 @@ def test_planted_record_at_iteration_cap(world, tmp_path):
     res2 = _audit(world, bundle, tmp_path / "out2")
     b2 = _bars(res2)["claims"]
     assert b2.passed and b2.details["convergence"]["explanations"]
+
+
+def _hf_support(logp: np.ndarray, sampler: dict) -> np.ndarray:
+    """Independent of l47: which tokens the transformers-style sampler (temperature, then top-k, then top-p on the
+    tempered, top-k-renormalised distribution; ties kept) can draw, from full f64 log-probabilities [T, V]."""
+    z = logp / sampler["temperature"]  # [T, V]
+    kth = np.sort(z, axis=1)[:, -sampler["top_k"]][:, None]  # [T, 1]
+    z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)  # [T, V] the top-k renormalised
+    order = np.argsort(-p, axis=1, kind="stable")
+    ps = np.take_along_axis(p, order, 1)
+    keep_sorted = (np.cumsum(ps, 1) - ps) < sampler["top_p"]  # the smallest prefix reaching top_p
+    keep = np.zeros_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, 1)
+    return keep & np.isfinite(z)
+
+
+def test_planted_generation_the_model_could_not_have_sampled(world, tmp_path):
+    """A chat whose provenance says the assistant and think turns are the model's own generation (sampler 0.7 /
+    0.9 / 40) while a third of those tokens are ones the model gives p 0.002: as the blind document the sign-off
+    fails proxy.own_generation (before: provenance was metadata only, and it passed); as a held-out chat in a
+    dev audit it fails the same bar. The count is bounded by an independent f64 softmax with the sampler applied
+    transformers' way: at least the rows outside the top 40 (exact), at most the rows outside the support (the
+    check's nucleus bound is a necessary condition). The honest blind chat of the world passes it (value 0)."""
+    from l47.dumps import read_dump
+    from l47.dumps.select import phrases_to_tuples
+    from l47.tail.forward import full_logits, mix_of_dump
+
+    w, vocab = world["w"], world["vocab"]
+    pts, _ = phrases_to_tuples(PHRASES, vocab)
+    spec = [M("user", "Which branch holds the fix for the parser?"),
+            M("assistant", "<think>\nLook at the log.\n</think>\n\nThe fix sits on the parser branch; I ran it "
+                           "end to end and it passed."),
+            M("user", "Ship it then."), M("assistant", "Shipped. The release notes are updated.")]
+    arr, goal = _dump_arrays(vocab, pts, "forged", spec, seed=4242)
+    gen_rows = np.flatnonzero(np.isin(arr["role"], [names.ROLE_ID["assistant"], names.ROLE_ID["think"]]))
+    planted = gen_rows[::3]
+    goal[planted] = math.log(0.002)
+    _fit_yr(w, [arr], [goal])
+    path = _write_world_dump(tmp_path / "forged_blind.safetensors", w, "forged", spec, arr, generated=True)
+    d = read_dump(path)
+    with torch.no_grad():
+        lp = torch.log_softmax(full_logits(mix_of_dump(d, w), w).double(), -1).numpy()  # [T, V] f64, V = 1024
+    tg = np.asarray(d.tokens[1:])
+    inside = _hf_support(lp, BLIND_SAMPLER)[np.arange(tg.size), tg]  # [T]
+    rank = (lp > lp[np.arange(tg.size), tg][:, None]).sum(1)  # [T] tokens strictly more probable
+    lo = int((rank[gen_rows] >= BLIND_SAMPLER["top_k"]).sum())
+    hi = int((~inside[gen_rows]).sum())
+    assert lo >= 3 and lo / gen_rows.size > 0.01  # the forged rows are far outside (so the bar must see them)
+
+    def check(res, doc):
+        b = _bars(res)["proxy.own_generation"]
+        got = b.details["per_doc"][str(doc)]
+        assert not b.passed and b.details["worst_doc"] == str(doc)
+        assert got["checked"] == gen_rows.size and lo <= got["outside"] <= hi, (got, lo, hi)
+        assert b.value == pytest.approx(got["outside"] / got["checked"])
+
+    good = world["bundles"]["good"]
+    dev = tmp_path / "dev"
+    ok = _audit(world, good, dev)
+    assert _bars(ok)["proxy.own_generation"].applicable is False  # the dev world claims no generated text
+    res = _audit(world, good, tmp_path / "blind", blind=path, dev_report=dev / "report.json")
+    check(res, path)
+    assert not res.passed
+    # the same forged chat as a held-out chat of a dev audit
+    exp = _variant(world, "forged", {"chat_heldout": [path.name]})
+    shutil.copy(path, world["root"] / path.name)
+    check(_audit_exp(world, good, tmp_path / "dev2", exp), world["root"] / path.name)
+    # the world's honest blind chat: every generated token is its sampler's (p 0.55 = the argmax at every row)
+    honest = _audit(world, good, tmp_path / "blind_ok", blind=world["paths"]["blind_a"],
+                    dev_report=dev / "report.json")
+    b = _bars(honest)["proxy.own_generation"]
+    assert b.passed and b.value == 0.0
+
+
+def test_planted_suite_from_the_world_s_own_files(world, tmp_path):
+    """The model-agnostic planted failures (l47.testing.planted: built only from the experiment, the base, the
+    honest bundle and its dev report, as they are planted into the demo and model2) are each caught for their
+    reason on the synthetic world; the honest bundle passes."""
+    from planted_check import check_all
+
+    from l47.testing.planted import HonestRun, plant_all
+
+    good = world["bundles"]["good"]
+    dev = _audit(world, good, tmp_path / "dev")
+    assert dev.passed
+    run = HonestRun(world["exp"], world["base"], good, tmp_path / "dev" / "report.json")
+    plants = plant_all(run, tmp_path / "plants")
+    assert {p.name for p in plants} >= {"copy_in_heldout", "copy_in_kld", "unverified_dump", "noop_bundle",
+                                        "second_tensor", "record_at_cap", "blind_copy", "blind_near_copy",
+                                        "special_push"}
+    got = check_all(plants, run, tmp_path / "audits")
+    b = {x.name: x for x in got["second_tensor"].bars}["bundle.only_target"]
+    assert b.value == 1 and b.details["changed"][0].startswith("blk.0.")

@@ -22,7 +22,7 @@ ALLOWED = {
     "l47.data": {"l47.model", "l47.tail", "l47.dumps"},
     "l47.solvers": {"l47.model", "l47.tail", "l47.data", "l47.dumps"},
     "l47.evals": {"l47.model", "l47.tail", "l47.data", "l47.dumps"},
-    "l47.testing": {"l47.model", "l47.tail", "l47.dumps"},
+    "l47.testing": {"l47.model", "l47.tail", "l47.dumps", "l47.data"},
     "l47.app": {"*"},
 }
 

@@ -308,7 +308,7 @@ def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
     """One document (`dump`: `_read`'s result): identity (its token ids), check it fits the model, score it once
     with the base head (never a blind one), find its events and collateral, guard it (provenance, salad, CE,
     sampler, chat structure) and report it."""
-    from l47.dumps.select import find_collateral, find_events
+    from l47.dumps.select import claims_generation, find_collateral, find_events
     from l47.model.weights import check_dump_dims
 
     w, vocab = ctx.weights, ctx.vocab
@@ -333,7 +333,8 @@ def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
         stats, logp = None, np.full(dump.T, np.nan)  # [T]
         d.events, d.collateral = [], []
     else:
-        stats = ctx.base_stats(dump, min(SAMPLER_TOPK, w.V) if d.set in GUARDED else 1)
+        own = d.set in GUARDED or claims_generation(dump.meta.provenance)  # the sampler check needs a top-k
+        stats = ctx.base_stats(dump, min(SAMPLER_TOPK, w.V) if own else 1)
         logp = stats.logp_target  # [T] f64
         d.events = [(e, float(math.exp(logp[e.pos]))) for e in events]
         d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
