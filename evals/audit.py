@@ -909,20 +909,27 @@ class AuditContext:
 
 
 def _ledgers(args: AuditArgs, base_sha256: str) -> list:
-    """The base model's ledger (or the one --ledger names), and with --blind the dev report's too when it named
-    another file (a blind document scored once is refused everywhere after); each validated now, so a corrupt
-    ledger or another model's is refused before any scoring."""
-    from l47.data.ledger import Ledger
+    """The base model's ledger (or the one --ledger names); with --blind also the dev report's (when it exists)
+    and always the base model's default one, so a blind document scored once is refused everywhere after,
+    whichever --ledger a later run names. Each validated now, so a corrupt ledger or another model's is refused
+    before any scoring."""
+    from l47.data.ledger import Ledger, default_ledger_path
 
     ledger = Ledger.open(args.ledger, base_sha256)
     ledgers = [ledger]
-    if args.blind is not None and args.dev_report is not None and Path(args.dev_report).is_file():
+    if args.blind is None:
+        return ledgers
+    extra = [default_ledger_path(base_sha256)]
+    if args.dev_report is not None and Path(args.dev_report).is_file():
         try:
             dl = json.loads(Path(args.dev_report).read_text()).get("inputs", {}).get("ledger")
         except ValueError:
             dl = None
-        if isinstance(dl, str) and Path(dl).exists() and Path(dl).resolve() != ledger.path.resolve():
-            ledgers.append(Ledger.open(dl, base_sha256))
+        if isinstance(dl, str):
+            extra.insert(0, Path(dl))
+    for i, p in enumerate(extra):  # the base model's default ledger always: a blind burn is recorded there too
+        if (i == len(extra) - 1 or p.exists()) and all(p.resolve() != lp.path.resolve() for lp in ledgers):
+            ledgers.append(Ledger.open(p, base_sha256))
     return ledgers
 
 

@@ -635,6 +635,23 @@ def test_blind_signoff_once_then_refused(world, tmp_path):
     assert not (tmp_path / "blind2" / "report.json").exists()
 
 
+def test_blind_reused_through_other_named_ledgers_is_refused(world, tmp_path):
+    """Each run names its own --ledger (dev A + blind A, then dev B + blind B): the first sign-off also burned the
+    document in the base model's default ledger, so the second is refused before anything is scored."""
+    good = world["bundles"]["good"]
+    blind_doc = world["paths"]["blind_a"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _audit(world, good, tmp_path / "devA", ledger=a)
+    ok = _audit(world, good, tmp_path / "blindA", blind=blind_doc, dev_report=tmp_path / "devA" / "report.json",
+                ledger=a)
+    assert ok.passed and _ledger(world).scored(_token_sha(blind_doc))  # the default ledger has it too
+    _audit(world, good, tmp_path / "devB", ledger=b)
+    with pytest.raises(L47Error, match="never scored before"):
+        _audit(world, good, tmp_path / "blindB", blind=blind_doc, dev_report=tmp_path / "devB" / "report.json",
+               ledger=b)
+    assert not (tmp_path / "blindB" / "report.json").exists()
+
+
 def test_blind_document_scored_before_is_refused(world, tmp_path):
     from l47.data.ledger import Ledger
 

@@ -36,6 +36,11 @@ class HonestRun:
     bundle: Path
     dev_report: Path
 
+    @property
+    def ledger(self) -> Path:
+        """The ledger the dev audit appended to (the base model's, or the one it was given)."""
+        return Path(json.loads(Path(self.dev_report).read_text())["inputs"]["ledger"])
+
     def documents(self) -> list[dict]:
         """The report's scored documents: {path, sha256, set, doc_id, T, verified, refused, reasons}."""
         return json.loads(Path(self.dev_report).read_text())["inputs"]["documents"]
