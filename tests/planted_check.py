@@ -75,7 +75,7 @@ def dump_written_chat(model: Path, out: Path, doc_id: str, messages: list[dict])
     src = out / f"{doc_id}.jsonl"
     src.write_text(json.dumps({"id": doc_id, "messages": messages}) + "\n")
     cli = Path(sys.executable).parent / "l47"
-    r = subprocess.run([str(cli), "dump", str(src), "--model", str(model), "--out", str(out / "dumps"), "--quiet"],
+    r = subprocess.run([str(cli), "dump", str(src), "--model", str(model), "--out", str(out / "dumps")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (path,) = sorted((out / "dumps").glob("*.safetensors"))

@@ -149,3 +149,27 @@ def test_negative_control_fails_for_the_right_reasons(demo):
     bars = _bars(_rep(out / "control" / "audit" / "report.json"))
     assert not bars["d.word_mean"]["passed"]  # a final word suppressed everywhere
     assert not bars["a.prefix_exact"]["passed"]  # its record touched non-prefix positions
+
+
+def test_planted_failures_on_the_demo(demo, tmp_path):
+    """The model-agnostic planted failures (l47.testing.planted), built from this demo run's own experiment,
+    bundle and dev report, each caught for its reason on the real demo model (a bar that already failed for the
+    honest bundle must get strictly worse); a written chat claiming to be the model's own generation is refused
+    as the blind document by proxy.own_generation, while the demo's real blind generation passes that bar."""
+    from planted_check import check_all, dump_written_chat
+
+    from l47.app.demo import MODEL
+    from l47.testing.planted import HonestRun, plant_all
+
+    out, _ = demo
+    run = HonestRun(out / "experiment.toml", MODEL, out / "bundle.gguf", out / "audit" / "report.json")
+    forged = dump_written_chat(MODEL, tmp_path / "forged", "forged-chat", [
+        {"role": "user", "content": "Could you look over the release checklist for tomorrow?"},
+        {"role": "assistant", "content": "<think>\nThe list has five items.\n</think>\n\nThe checklist looks "
+                                         "complete. I would move the backup step before the migration and add a "
+                                         "note about the rollback window."}])
+    plants = plant_all(run, tmp_path / "plants", forged=forged)
+    assert len(plants) == 10
+    check_all(plants, run, tmp_path / "audits")
+    blind = _bars(_rep(out / "audit-blind" / "report.json"))["proxy.own_generation"]
+    assert blind["passed"] and blind["value"] == 0.0  # the demo's real generation: every token its sampler's

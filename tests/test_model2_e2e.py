@@ -78,3 +78,24 @@ def test_solve_and_audit_figures(run):
     # ... and the bar's value is the worst phrase's reduction
     assert bars["c.slop"]["value"] == pytest.approx(
         min(1 - x["residual"] for ph, x in m["heldout"].items() if ph != "(all)"), abs=1e-5)
+
+
+def test_planted_failures_on_model2(run, tmp_path):
+    """The same model-agnostic planted failures on model2 (specials at ids 0–4, another register and size): each
+    caught for its reason against this run's honest WFLD bundle and dev report."""
+    import bench_efficacy as be
+    from planted_check import check_all, dump_written_chat
+
+    from l47.testing.planted import HonestRun, plant_all
+
+    out, _ = run
+    model = be.specs()["model2"].model
+    honest = HonestRun(out / "experiment.toml", model, out / "wfld" / "bundle.gguf",
+                       out / "wfld" / "audit" / "report.json")
+    forged = dump_written_chat(model, tmp_path / "forged", "forged-chat", [
+        {"role": "user", "content": "My order arrived with a cracked lid. What can I do?"},
+        {"role": "assistant", "content": "<think>\nOffer a replacement.\n</think>\n\nSorry about the lid. I can "
+                                         "send a new one today, or refund the item if you prefer."}])
+    plants = plant_all(honest, tmp_path / "plants", forged=forged)
+    assert len(plants) == 10
+    check_all(plants, honest, tmp_path / "audits")
