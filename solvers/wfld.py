@@ -186,13 +186,22 @@ def _dual_gram(Gh: torch.Tensor, Hh: torch.Tensor, D: torch.Tensor, ev_of_row: n
 
 
 def _nnls_dual(K: torch.Tensor, b: np.ndarray) -> np.ndarray:
-    """argmin_{μ ≥ 0} ½ μᵀKμ + μᵀb via NNLS on K = L Lᵀ: ‖Lᵀμ + L⁻¹b‖²."""
-    Kn = K.cpu().numpy()
-    if not np.isfinite(Kn).all() or not np.isfinite(b).all():
+    """argmin_{μ ≥ 0} ½ μᵀKμ + μᵀb: Lawson–Hanson in the Gram form (solvers/qp.py, on CUDA when K is there),
+    else (the active set did not settle) scipy's NNLS on K = L Lᵀ: ‖Lᵀμ + L⁻¹b‖² — the same minimiser."""
+    from l47.solvers.qp import nnls_gram
+
+    Kt = K.to("cuda" if K.is_cuda else "cpu", torch.float64)
+    bt = torch.as_tensor(np.asarray(b, dtype=np.float64), device=Kt.device)
+    if not bool(torch.isfinite(Kt).all()) or not bool(torch.isfinite(bt).all()):
         raise L47Error("solve", "WFLD dual", "finite constraint gradients and bounds", "NaN or Inf")
-    jitter = 1e-12 * max(1.0, float(np.trace(Kn)) / len(Kn))
+    jitter = 1e-12 * max(1.0, float(torch.trace(Kt)) / len(Kt))
+    Kt = Kt + jitter * torch.eye(len(Kt), dtype=torch.float64, device=Kt.device)
+    mu = nnls_gram(Kt, bt)
+    if mu is not None:
+        return mu.cpu().numpy()
+    Kn = Kt.cpu().numpy()
     try:
-        L = np.linalg.cholesky(Kn + jitter * np.eye(len(Kn)))
+        L = np.linalg.cholesky(Kn)
         rhs = -np.linalg.solve(L, b)
         mu, _ = scipy.optimize.nnls(L.T, rhs, maxiter=50 * len(Kn))
     except (np.linalg.LinAlgError, RuntimeError) as e:

@@ -32,6 +32,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -253,6 +254,11 @@ def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sam
 # the world
 
 
+def _workers() -> int:
+    """Threads for the world's per-document work (state synthesis, dump writing)."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
 def _experiment(root: Path, model: Path, by_set: dict[str, list[str]], size: PipelineSize) -> Path:
     from l47.fileio import write_text_atomic
 
@@ -312,13 +318,59 @@ def _write_model(path: Path, size: PipelineSize, seed: int):
     return vocab_from_gguf(open_gguf(path))
 
 
+def _doc_states(size: PipelineSize, vocab, specs, seed: int) -> tuple[list[dict], list[np.ndarray]]:
+    """Every document's dump arrays (tokens, role and synthetic states with the prefix key) and its event rows."""
+    from l47.dumps.select import find_events, phrases_to_tuples
+    from l47.testing.synth import synth_dump_arrays
+
+    pts, _ = phrases_to_tuples(PHRASES, vocab)
+    rendered = [_render(vocab, spec) for _, _, spec in specs]  # (tokens, role) per document
+
+    def states(i: int) -> tuple[dict, np.ndarray]:
+        tokens, role = rendered[i]
+        a = synth_dump_arrays(size.dims, tokens.shape[0] - 1, seed=seed * 100_003 + i)
+        a["tokens"], a["role"] = tokens, role
+        a["hh"][:, KEY_COL] = 0.0
+        a["hh"][:, BIAS_COL] = BIAS
+        ev = np.array(sorted({e.pos for e in find_events(tokens, pts, role)}), dtype=np.int64)
+        a["hh"][ev, KEY_COL] = KEY
+        return a, ev
+
+    with ThreadPoolExecutor(_workers()) as pool:  # numpy fills release the GIL; each document has its own seed
+        got = list(pool.map(states, range(len(specs))))
+    return [a for a, _ in got], [e for _, e in got]
+
+
+def _write_dumps(root: Path, specs, arrs: list[dict], w) -> dict[str, list[str]]:
+    """Write every document's dump (unverified, provenance "written"); returns set -> dump paths (root-relative)."""
+    from l47.dumps import DumpMeta, write_dump
+    from l47.model import names
+
+    dumps = root / "dumps"
+    if dumps.exists():
+        shutil.rmtree(dumps)
+
+    def write(i: int) -> Path:
+        (_, doc_id, spec), a = specs[i], arrs[i]
+        prov = {names.ROLES[int(c)]: "written" for c in np.unique(a["role"])}
+        meta = DumpMeta(schema_version=1, doc_id=doc_id, layer=w.layer, n=w.n, f=w.f, hc=w.hc, r=w.r, V=w.V,
+                        model=w.model_sha256, engine={"name": "synthetic", "version": "l47 bench", "settings": {}},
+                        inj_convention="raw", hh_precision="f32", provenance=prov,
+                        text=spec if isinstance(spec, str) else json.dumps(spec))
+        return write_dump(dumps / f"{doc_id}.safetensors", a, meta)
+
+    with ThreadPoolExecutor(_workers()) as pool:  # validation, serialisation and fsync overlap across documents
+        paths = list(pool.map(write, range(len(specs))))
+    by_set: dict[str, list[str]] = {}
+    for (s, _, _), p in zip(specs, paths):
+        by_set.setdefault(s, []).append(str(p.relative_to(root)))
+    return by_set
+
+
 def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=None) -> dict:
     """Model, dumps and experiment file under `root` (reused when root/world.json says they are complete)."""
-    from l47.dumps import DumpMeta, write_dump
-    from l47.dumps.select import find_events, phrases_to_tuples
-    from l47.model import names
+    from l47.fileio import write_text_atomic
     from l47.model.weights import load_tail_weights
-    from l47.testing.synth import synth_dump_arrays
 
     root.mkdir(parents=True, exist_ok=True)
     stamp = root / "world.json"
@@ -328,51 +380,30 @@ def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=
         if info.get("key") == json.loads(json.dumps(key)):
             return info
     say = log or (lambda m: None)
-    t0 = time.perf_counter()
+    t = {"start": time.perf_counter()}
     model = root / "base.gguf"
     say(f"writing the synthetic model {model} ({size.dims})")
     vocab = _write_model(model, size, seed)
-    t_model = time.perf_counter() - t0
+    t["model"] = time.perf_counter()
     w = load_tail_weights(model, policy="strata", device=device)
-    pts, _ = phrases_to_tuples(PHRASES, vocab)
     specs = document_specs(size, vocab, seed)
-    say(f"synthesising {len(specs)} documents")
-    arrs, events = [], []
-    for i, (_, _, spec) in enumerate(specs):
-        tokens, role = _render(vocab, spec)
-        a = synth_dump_arrays(size.dims, tokens.shape[0] - 1, seed=seed * 100_003 + i)
-        a["tokens"], a["role"] = tokens, role
-        a["hh"][:, KEY_COL] = 0.0
-        a["hh"][:, BIAS_COL] = BIAS
-        ev = np.array(sorted({e.pos for e in find_events(tokens, pts, role)}), dtype=np.int64)
-        a["hh"][ev, KEY_COL] = KEY
-        arrs.append(a)
-        events.append(ev)
-    t1 = time.perf_counter()
-    say(f"fitting the states ({sum(len(e) for e in events)} event rows): {t1 - t0:.0f} s so far")
+    say(f"synthesising {len(specs)} documents: {t['model'] - t['start']:.1f} s so far")
+    arrs, events = _doc_states(size, vocab, specs, seed)
+    t["states"] = time.perf_counter()
+    say(f"fitting the states ({sum(len(e) for e in events)} event rows): {t['states'] - t['start']:.1f} s so far")
     fit = fit_states(w, arrs, events, seed)
-    t_fit = time.perf_counter() - t1
-    say(f"writing the dumps: {time.perf_counter() - t0:.0f} s so far")
-    by_set: dict[str, list[str]] = {}
-    dumps = root / "dumps"
-    if dumps.exists():
-        shutil.rmtree(dumps)
-    for (s, doc_id, spec), a in zip(specs, arrs):
-        prov = {names.ROLES[int(c)]: "written" for c in np.unique(a["role"])}
-        meta = DumpMeta(schema_version=1, doc_id=doc_id, layer=w.layer, n=w.n, f=w.f, hc=w.hc, r=w.r, V=w.V,
-                        model=w.model_sha256, engine={"name": "synthetic", "version": "l47 bench", "settings": {}},
-                        inj_convention="raw", hh_precision="f32", provenance=prov,
-                        text=spec if isinstance(spec, str) else json.dumps(spec))
-        p = write_dump(dumps / f"{doc_id}.safetensors", a, meta)
-        by_set.setdefault(s, []).append(str(p.relative_to(root)))
-    exp = _experiment(root, model, by_set, size)
+    t["fit"] = time.perf_counter()
+    say(f"writing the dumps: {t['fit'] - t['start']:.1f} s so far")
+    exp = _experiment(root, model, _write_dumps(root, specs, arrs, w), size)
+    t["write"] = time.perf_counter()
+    steps = ("start", "model", "states", "fit", "write")
+    setup = {k: t[k] - t[j] for j, k in zip(steps, steps[1:])} | {"total": t["write"] - t["start"]}
     info = {"key": key, "model": str(model), "experiment": str(exp), "docs": len(specs),
             "positions": int(sum(a["yr"].shape[0] for a in arrs)), "planted_and_natural_event_rows": fit["event_rows"],
-            "fit": fit, "setup_s": {"model": t_model, "states_fit": t_fit, "total": time.perf_counter() - t0},
-            "dump_bytes": int(sum(p.stat().st_size for p in dumps.glob("*.safetensors")))}
-    from l47.fileio import write_text_atomic
-
+            "fit": fit, "setup_s": setup,
+            "dump_bytes": int(sum(p.stat().st_size for p in (root / "dumps").glob("*.safetensors")))}
     write_text_atomic(stamp, json.dumps(info, indent=1))
+    say(f"world ready: {setup}")
     return info
 
 
@@ -419,6 +450,20 @@ def _claims_summary(result) -> dict:
     return out
 
 
+def _clock(log):
+    """clock(stage) -> a log function that prefixes each message with the seconds since its first message's stage
+    began (sub-step times of a stage in the benchmark's log)."""
+    def for_stage(name: str):
+        t0 = time.perf_counter()
+        return lambda m: log(f"  {name} +{time.perf_counter() - t0:.1f} s: {m}")
+    return for_stage
+
+
+def _set_done(say):
+    """An audit progress callback (set, done, total) that logs each set once it is scored."""
+    return lambda s, done, total: say(f"scored {s} ({total} documents)") if done == total else None
+
+
 def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print) -> dict:
     """Build (or reuse) the world, then time sets -> solve -> audit. Returns the figures."""
     from l47.data.sets import build_sets, write_sets_json
@@ -446,14 +491,16 @@ def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print)
         stages: dict = {}
         res: dict = {}
         error = None
+        clock = _clock(log)
         steps = (
             ("sets", lambda: build_sets(exp, device=device)),
             ("solve", lambda: run_solve(SolveArgs(exp, "wfld", runs / "bundle.gguf", device=device,
                                                   ledger=runs / "ledger.jsonl",
                                                   sets_json=write_sets_json(res["sets"], runs / "sets.json")),
-                                        log=lambda m: None)),
+                                        log=clock("solve"))),
             ("audit", lambda: run_audit(AuditArgs(runs / "bundle.gguf", Path(world["model"]), exp, runs / "audit",
-                                                  ledger=runs / "ledger.jsonl", device=device, plots=False))),
+                                                  ledger=runs / "ledger.jsonl", device=device, plots=False),
+                                        progress=_set_done(clock("audit")))),
         )
         for name, fn in steps:  # a failing stage ends the run; the figures so far are still returned (and saved)
             try:

@@ -19,15 +19,19 @@ Scales (chosen so the tail forward's logits are O(1–10): neither saturated nor
 
 Weights are generated in f32 (numpy, one independent stream per tensor name and seed) and quantized with the
 ggml reference codecs (gguf.quants for BF16/Q8_0; l47.model.quants for Q6_K, which gguf.quants cannot quantize).
-The head is generated, quantized and written in row chunks, so REAL_DIMS never holds it whole in memory.
+The head is generated, quantized and written in row chunks, so REAL_DIMS never holds it whole in memory; the
+chunks' Gaussians are drawn on a few threads at a time (numpy releases the GIL while it fills an array; each chunk has
+its own stream, so the bytes do not depend on the thread count).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +75,9 @@ def _rng(seed: int, name: str, chunk: int = 0) -> np.random.Generator:
 
 
 def _normal(seed: int, name: str, shape: tuple[int, ...], std: float, chunk: int = 0) -> np.ndarray:
-    return (_rng(seed, name, chunk).standard_normal(shape, dtype=np.float32) * np.float32(std))  # f32
+    x = _rng(seed, name, chunk).standard_normal(shape, dtype=np.float32)
+    x *= np.float32(std)  # in place: the same f32 products as `x * std`
+    return x  # f32
 
 
 def _quantize(w: np.ndarray, qtype: GGMLQuantizationType, name: str) -> np.ndarray:
@@ -101,10 +107,17 @@ def _check_dims(d: SynthDims) -> None:
 
 def _head_chunks(dims: SynthDims, seed: int, qtype: GGMLQuantizationType, name: str) -> Iterator[np.ndarray]:
     std = HEAD_GAIN / math.sqrt(dims.n)
-    for i, r0 in enumerate(range(0, dims.V, _HEAD_CHUNK_ROWS)):
-        rows = min(_HEAD_CHUNK_ROWS, dims.V - r0)
-        w = _normal(seed, name, (rows, dims.n), std, chunk=i)  # [rows, n] f32
-        yield _quantize(w, qtype, name)  # [rows, row_nbytes] uint8
+    starts = list(enumerate(range(0, dims.V, _HEAD_CHUNK_ROWS)))
+    workers = max(1, min(8, os.cpu_count() or 1))
+
+    def gen(ir: tuple[int, int]) -> np.ndarray:
+        i, r0 = ir
+        return _normal(seed, name, (min(_HEAD_CHUNK_ROWS, dims.V - r0), dims.n), std, chunk=i)  # [rows, n] f32
+
+    with ThreadPoolExecutor(workers) as pool:
+        for b in range(0, len(starts), workers):  # `workers` chunks drawn at once, then quantized in order
+            for w in pool.map(gen, starts[b:b + workers]):
+                yield _quantize(w, qtype, name)  # [rows, row_nbytes] uint8
 
 
 def write_synth_gguf(path, dims: SynthDims = SynthDims(), seed: int = 0, unknown_type_tensor: bool = True,
