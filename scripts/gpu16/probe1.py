@@ -1,6 +1,6 @@
 """GPU probe 1 (perf, issue 16): head passes at R = 1000 rows with top-k 1/5/64 (what `l47 sets` asks: 64 for
 the sampler guard), dump I/O of one real-size dump, and a small full-dims pipeline with every stage profiled."""
-import cProfile, io, json, math, os, pstats, sys, time
+import json, math, os, sys, time
 from pathlib import Path
 import numpy as np
 import torch
@@ -80,24 +80,9 @@ if "pipe" in sys.argv:
     else:  # a local smoke test of this script
         from dataclasses import replace
         bp.FULL = replace(bp.REDUCED, pool=n_docs)
-    orig = bp._stage
-    def prof_stage(name, fn, device, out, logf):
-        pr = cProfile.Profile()
-        def run():
-            pr.enable()
-            try:
-                return fn()
-            finally:
-                pr.disable()
-        r = orig(name, run, device, out, logf)
-        s = io.StringIO()
-        ps = pstats.Stats(pr, stream=s)
-        ps.sort_stats("cumulative").print_stats(45)
-        ps.sort_stats("tottime").print_stats(30)
-        ps.print_callers("read_dump|validate_dump|doc_hash")
-        (OUT / f"prof_{name}.txt").write_text(s.getvalue())
-        return r
-    bp._stage = prof_stage
+    from prof_pipe import profile_stages  # scripts/gpu16/prof_pipe.py (this script's folder is on sys.path)
+
+    profile_stages(bp, OUT, callers="read_dump|validate_dump|doc_hash")
     t0 = time.perf_counter()
     r = bp.bench_pipeline(True, dev, Path(os.environ.get("PROBE_WORK", "/tmp/pipe-probe")), log=log)
     res["pipe"] = r
