@@ -152,15 +152,27 @@ def penalized_at(history: Sequence[int], spec: PenaltySpec, form: str | None = N
 
 
 def penalty_mask(tokens, spec: PenaltySpec, form: str | None = None) -> np.ndarray:
-    """[T, F] bool: row t, column j = spec.finals[j] is penalised for the target tokens[t+1]."""
+    """[T, F] bool: row t, column j = spec.finals[j] is penalised for the target tokens[t+1]. `penalized_at` decides
+    every row; it is asked only where tokens[t] can end a rule's prefix (every form needs that: elsewhere its answer
+    is empty), with the last (longest prefix) tokens of the history — all it reads (~100x fewer Python steps on
+    a 1,000-token document than asking every row with the whole history)."""
+    form = form or spec.form
+    if form not in FORMS:
+        raise L47Error("penalty", "form", f"one of {FORMS}", repr(form))
     tokens = [int(i) for i in np.asarray(tokens).tolist()]  # [T+1]
     finals = spec.finals
     col = {f: j for j, f in enumerate(finals)}
     T = len(tokens) - 1
     m = np.zeros((T, len(finals)), dtype=bool)  # [T, F]
+    if not spec.rules:
+        return m
+    span = max(len(r.prefix) for r in spec.rules)
+    ends = (None if any(not r.prefix for r in spec.rules) else  # an empty prefix matches everywhere: ask every row
+            {x for r in spec.rules for x in r.prefix} if form == FORM_SEED else {r.prefix[-1] for r in spec.rules})
     for t in range(T):
-        for tok in penalized_at(tokens[:t + 1], spec, form):
-            m[t, col[tok]] = True
+        if ends is None or tokens[t] in ends:
+            for tok in penalized_at(tokens[max(0, t + 1 - span):t + 1], spec, form):
+                m[t, col[tok]] = True
     return m
 
 
