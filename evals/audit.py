@@ -642,14 +642,16 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_s
         used = {i.sha256 for i in record.inputs if i.set != "blind"} | {t.doc_sha256 for t in record.touched}
         if doc in used:
             seen.append("solve record: an input of the solver")
-    others = [(s, p) for s, p in exp.documents() if s != "blind" and p.is_file()]
+    others = [(s, p) for s, p in exp.documents() if s != "blind"]
     index = WindowIndex(window)
     sets_of = {}
-    for s, p in others:
+    for s, p in others:  # an experiment document the check cannot read could hide a copy: refuse, do not skip
         try:
             o = read_dump(p, validate=False)
-        except L47Error:
-            continue
+        except L47Error as e:
+            raise L47Error(p, f"experiment document (set {s!r})", "a readable dump: the blind sign-off compares "
+                           "the blind document with every document of the experiment by content",
+                           f"unreadable ({e.field}: {e.found})") from None
         if o.sha256 == doc:
             seen.append(f"experiment: the same tokens as {p} (set {s!r})")
         sets_of[str(p)] = s

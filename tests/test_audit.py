@@ -1073,3 +1073,20 @@ def test_planted_suite_from_the_world_s_own_files(world, tmp_path):
     got = check_all(plants, run, tmp_path / "audits")
     b = {x.name: x for x in got["second_tensor"].bars}["bundle.only_target"]
     assert b.value == 1 and b.details["changed"][0].startswith("blk.0.")
+
+
+def test_blind_refused_when_an_experiment_document_cannot_be_read(world, tmp_path):
+    """The blind sign-off compares the blind document with every experiment document by content (copy and 64-token
+    near-copy): one it cannot read could hide a copy, so the run is refused naming it (was: skipped silently),
+    before anything is scored or appended to the ledger. (A missing one is refused when the experiment loads.)"""
+    good = world["bundles"]["good"]
+    _audit(world, good, tmp_path / "dev")
+    bad = world["root"] / "unreadable.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    exp = _variant(world, "unreadable", {"kld.prose": [bad.name]})
+    with pytest.raises(L47Error, match="experiment document .set 'kld.prose'.*unreadable") as ei:
+        _audit_exp(world, good, tmp_path / "blind", exp, blind=world["paths"]["blind_a"],
+                   dev_report=tmp_path / "dev" / "report.json")
+    assert ei.value.where == str(bad)
+    assert not (tmp_path / "blind" / "report.json").exists()
+    assert not _ledger(world).scored(_token_sha(world["paths"]["blind_a"]))
