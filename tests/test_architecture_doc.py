@@ -1,0 +1,45 @@
+"""docs/ARCHITECTURE.md reaches every bar and every command in one hop (issue 11's target): the tables are read
+from the page and checked against the registry of bars (evals/bars.py) and the commands typer registers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"
+
+
+def _rows(header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header line starts with `header` (cells stripped)."""
+    lines = DOC.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    out = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        out.append([c.strip() for c in ln.strip("|").split("|")])
+    return out
+
+
+def test_every_registered_bar_has_a_row_naming_its_measure():
+    from l47.evals.bars import REGISTRY
+
+    rows = _rows("| bar(s) |")
+    for name, bd in REGISTRY.items():
+        hit = [r for r in rows if f"`{name}`" in r[0]]
+        assert len(hit) == 1, f"bar {name}: {len(hit)} rows of the bars table name it"
+        fn = bd.fn.__name__
+        assert fn == "<lambda>" or f"`{fn}`" in hit[0][1], f"bar {name}: its measure {fn} is not in its row"
+    named = {m for r in rows for m in re.findall(r"`([^`]+)`", r[0]) if "<" not in m}  # e.kld.<domain>: a form
+    assert named <= set(REGISTRY), f"rows name bars that are not registered: {sorted(named - set(REGISTRY))}"
+
+
+def test_every_command_has_a_row():
+    import typer.main
+
+    from l47.app.cli import app
+
+    commands = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+    rows = {r[0].strip("`").removeprefix("l47 ") for r in _rows("| command |")}
+    assert commands and commands <= rows, sorted(commands - rows)
+    assert typer.main.get_command(app).commands.keys() == commands  # what typer builds is what was read
