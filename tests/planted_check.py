@@ -29,8 +29,9 @@ def _worse(planted, honest) -> bool:
 
 
 def check_plant(p: Plant, run: HonestRun, out: Path, ledger=None, **audit_kw):
-    """Audit the planted input; assert it is caught as `p.expect` says: the named bar fails, and where that bar
-    already failed for the honest bundle, its value is strictly worse (a real model's honest bundle need not pass
+    """Audit the planted input; assert it is caught as `p.expect` says: the named bar fails, for the plant's own
+    reason where it states one (`p.reason`), else where that bar already failed for the honest bundle, its value
+    is strictly worse (a real model's honest bundle need not pass
     everything; the plant must still be what moves the bar). Returns the AuditReport (None: refused)."""
     import json
 
@@ -53,7 +54,8 @@ def check_plant(p: Plant, run: HonestRun, out: Path, ledger=None, **audit_kw):
         b["name"]: Bar(b["name"], b.get("value"), b.get("threshold"), b["direction"], b["passed"], {})
         for b in json.loads(Path(run.dev_report).read_text())["bars"]}
     caught = [b for b in res.bars if not b.passed and (b.name == p.expect or b.name.startswith(p.expect + "."))
-              and (honest.get(b.name) is None or honest[b.name].passed or _worse(b, honest[b.name]))]
+              and (p.reason(b) if p.reason is not None else
+                   honest.get(b.name) is None or honest[b.name].passed or _worse(b, honest[b.name]))]
     assert caught, (p.name, p.why, sorted(b.name for b in res.bars if not b.passed))
     assert res.exit_code == 1 and not res.passed, p.name
     return res

@@ -1069,7 +1069,7 @@ def test_planted_suite_from_the_world_s_own_files(world, tmp_path):
     plants = plant_all(run, tmp_path / "plants")
     assert {p.name for p in plants} >= {"copy_in_heldout", "copy_in_kld", "unverified_dump", "noop_bundle",
                                         "second_tensor", "record_at_cap", "blind_copy", "blind_near_copy",
-                                        "special_push"}
+                                        "special_push", "one_phrase_only"}
     got = check_all(plants, run, tmp_path / "audits")
     b = {x.name: x for x in got["second_tensor"].bars}["bundle.only_target"]
     assert b.value == 1 and b.details["changed"][0].startswith("blk.0.")

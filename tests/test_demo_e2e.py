@@ -159,7 +159,7 @@ def test_planted_failures_on_the_demo(demo, tmp_path):
     from planted_check import check_all, dump_written_chat
 
     from l47.app.demo import MODEL
-    from l47.testing.planted import HonestRun, plant_all
+    from l47.testing.planted import HonestRun, plant_all, unnatural_text
 
     out, _ = demo
     run = HonestRun(out / "experiment.toml", MODEL, out / "bundle.gguf", out / "audit" / "report.json")
@@ -168,8 +168,11 @@ def test_planted_failures_on_the_demo(demo, tmp_path):
         {"role": "assistant", "content": "<think>\nThe list has five items.\n</think>\n\nThe checklist looks "
                                          "complete. I would move the backup step before the migration and add a "
                                          "note about the rollback window."}])
-    plants = plant_all(run, tmp_path / "plants", forged=forged)
-    assert len(plants) == 10
+    unnatural = dump_written_chat(MODEL, tmp_path / "unnatural", "unnatural-chat", [
+        {"role": "user", "content": unnatural_text(MODEL, seed=1)},
+        {"role": "assistant", "content": unnatural_text(MODEL, seed=2)}])
+    plants = plant_all(run, tmp_path / "plants", forged=forged, unnatural=unnatural)
+    assert len(plants) == 12
     check_all(plants, run, tmp_path / "audits")
     blind = _bars(_rep(out / "audit-blind" / "report.json"))["proxy.own_generation"]
     assert blind["passed"] and blind["value"] == 0.0  # the demo's real generation: every token its sampler's

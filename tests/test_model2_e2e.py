@@ -86,7 +86,7 @@ def test_planted_failures_on_model2(run, tmp_path):
     import bench_efficacy as be
     from planted_check import check_all, dump_written_chat
 
-    from l47.testing.planted import HonestRun, plant_all
+    from l47.testing.planted import HonestRun, plant_all, unnatural_text
 
     out, _ = run
     model = be.specs()["model2"].model
@@ -96,6 +96,9 @@ def test_planted_failures_on_model2(run, tmp_path):
         {"role": "user", "content": "My order arrived with a cracked lid. What can I do?"},
         {"role": "assistant", "content": "<think>\nOffer a replacement.\n</think>\n\nSorry about the lid. I can "
                                          "send a new one today, or refund the item if you prefer."}])
-    plants = plant_all(honest, tmp_path / "plants", forged=forged)
-    assert len(plants) == 10
+    unnatural = dump_written_chat(model, tmp_path / "unnatural", "unnatural-chat", [
+        {"role": "user", "content": unnatural_text(model, seed=1)},
+        {"role": "assistant", "content": unnatural_text(model, seed=2)}])
+    plants = plant_all(honest, tmp_path / "plants", forged=forged, unnatural=unnatural)
+    assert len(plants) == 12
     check_all(plants, honest, tmp_path / "audits")

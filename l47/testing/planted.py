@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,6 +56,8 @@ class Plant:
     bundle: Path
     blind: Path | None = None  # a blind sign-off (against HonestRun.dev_report)
     match: str = ""  # REFUSED: a regex the one-line error must match
+    reason: Callable[[object], bool] | None = None  # the failed bar (evals.bars.Bar) -> failed for the plant's own
+    # reason; None: the bar must be worse than the honest run's (where that one failed too)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,6 +220,64 @@ def special_push_bundle(run: HonestRun, dst: Path, docs: list[Path], *, flips: i
     return _write_edit(run, dst, w, W_new + alpha * g)
 
 
+def one_phrase_bundle(run: HonestRun, dst: Path, *, residual: float = 0.1) -> tuple[Path, str]:
+    """A bundle that removes ONE phrase and leaves the others: ΔW = −α·g/‖g‖·‖W_sd‖ with g = ∂ Σ log p(final) /
+    ∂ΔW over that phrase's events in the training documents (exact differentiable tail forward), α doubled until
+    the phrase's mean p(final) there is ≤ `residual` × base. The phrase is the one with the most training events
+    (ties: the first in the experiment). -> (bundle, phrase). Re-quantised in the target's own type."""
+    from l47.data.experiment import load_experiment
+    from l47.dumps import read_dump
+    from l47.dumps.select import find_events, phrases_to_tuples
+    from l47.model.gguf_io import open_gguf
+    from l47.model.vocab import vocab_from_gguf
+    from l47.model.weights import load_tail_weights
+    from l47.tail.forward import logp_at, mix_of_dump
+
+    exp = load_experiment(run.experiment)
+    w = load_tail_weights(run.base, policy=exp.policy)
+    pts, _ = phrases_to_tuples(exp.phrases, vocab_from_gguf(open_gguf(run.base)))
+    train = [read_dump(d["path"]) for d in run.documents() if d["set"] == "train" and not d["refused"]]
+    events = [(d, e) for d in train for e in find_events(np.asarray(d.tokens), pts)]
+    counts = {pt.phrase: sum(e.phrase == pt.phrase for _, e in events) for pt in pts}
+    phrase = max(counts, key=lambda k: (counts[k], -list(counts).index(k)))
+    if not counts[phrase]:
+        raise ValueError(f"{run.experiment}: no training document holds an event of any phrase")
+    rows = {}  # doc index -> (rows [E], finals [E]) of the phrase's events
+    for i, d in enumerate(train):
+        ev = [e for dd, e in events if dd is d and e.phrase == phrase]
+        if ev:
+            rows[i] = (torch.as_tensor([e.pos for e in ev]), torch.as_tensor([e.tuple[-1] for e in ev]))
+
+    def mean_p(dW) -> tuple[torch.Tensor, torch.Tensor]:  # (Σ log p, mean p) over the phrase's events
+        lps = [logp_at(mix_of_dump(train[i], w, W_sd=w.W_sd + dW, rows=r), w, f) for i, (r, f) in rows.items()]
+        lp = torch.cat(lps)  # [E]
+        return lp.sum(), lp.exp().mean()
+
+    dW0 = torch.zeros_like(w.W_sd, requires_grad=True)
+    total, p0 = mean_p(dW0)
+    g = torch.autograd.grad(total, dW0)[0]  # [n, f]
+    g = -g / g.norm() * w.W_sd.norm()
+    alpha = 1e-3
+    with torch.no_grad():
+        while float(mean_p(alpha * g)[1]) > residual * float(p0):
+            alpha *= 2
+            if alpha > 8:
+                raise ValueError(f"no edit within 8·‖W_sd‖ removes {phrase!r}")
+    return _write_edit(run, dst, w, w.W_sd + alpha * g), phrase
+
+
+def unnatural_text(base: Path, n_tokens: int = 160, seed: int = 0) -> str:
+    """Text the model finds unnatural whatever its vocabulary: `n_tokens` ids drawn uniformly from the vocabulary
+    less its special tokens, decoded (a document near ln V nats per token, far above bar proxy.base_ce's ½ ln V)."""
+    from l47.model.gguf_io import open_gguf
+    from l47.model.vocab import vocab_from_gguf
+
+    vocab = vocab_from_gguf(open_gguf(base))
+    pool = np.setdiff1d(np.arange(vocab.size), np.asarray(list(vocab.special_ids.values()), dtype=np.int64))
+    ids = np.random.default_rng(seed).choice(pool, size=n_tokens)
+    return vocab.decode([int(i) for i in ids]).replace("<|", "< |")  # never a chat special token by its text
+
+
 def _write_edit(run: HonestRun, dst: Path, w, W_sd_new: torch.Tensor) -> Path:
     """The honest bundle with its target replaced by W_sd_new re-quantised in the target's own type."""
     from l47.model import quants
@@ -245,10 +306,11 @@ def _special_ids(run: HonestRun) -> dict[str, int]:
 # the suite
 
 
-def plant_all(run: HonestRun, out: Path, forged: Path | None = None) -> list[Plant]:
+def plant_all(run: HonestRun, out: Path, forged: Path | None = None, unnatural: Path | None = None) -> list[Plant]:
     """Every model-agnostic planted failure of one honest run, written under `out`. `forged`: a dump of a document
     the model did not generate (a written chat, never scored), to be planted as a blind document claiming to be
-    the model's own generation (needs an engine to dump, so the caller makes it)."""
+    the model's own generation; `unnatural`: a dump of text the model finds unnatural (unnatural_text), planted
+    in a scored set (both need an engine to dump, so the caller makes them)."""
     from l47.model.gguf_io import open_gguf
 
     out = Path(out)
@@ -285,11 +347,28 @@ def plant_all(run: HonestRun, out: Path, forged: Path | None = None) -> list[Pla
     if chats:
         plants.append(Plant("special_push", "f.flips", "ΔW pushes <|im_end|> to the argmax mid-turn", exp,
                             special_push_bundle(run, out / "push.gguf", chats)))
+    one, phrase = one_phrase_bundle(run, out / "one_phrase.gguf")
+    plants.append(Plant("one_phrase_only", "c.slop", f"a bundle that removes {phrase!r} only (the pooled reduction "
+                        "can pass while every other phrase stays)", exp, one, reason=_left_phrases(phrase)))
+    if unnatural is not None:
+        plants.append(Plant("unnatural_text", "proxy.base_ce", f"text the model finds unnatural in {kld}",
+                            variant(exp, out / "exp_unnatural.toml",
+                                    {kld: [resave(unnatural, out / "unnatural.safetensors")]}), b))
     if forged is not None:
         plants.append(Plant("forged_blind", "proxy.own_generation", "a written chat claiming to be the model's own "
                             "generation as the blind document", exp, b,
                             resave(forged, out / "forged_blind.safetensors", provenance=gen)))
     return plants
+
+
+def _left_phrases(removed: str) -> Callable[[object], bool]:
+    """c.slop failed for the one-phrase plant's reason: the removed phrase meets the reduction bar and the worst
+    phrase is another one (whatever the honest bundle reached)."""
+    def reason(bar) -> bool:
+        per = bar.details.get("per_phrase") or {}
+        return (removed in per and per[removed]["reduction"] >= bar.threshold
+                and bar.details.get("worst_phrase") != removed)
+    return reason
 
 
 def _is_chat(doc: dict) -> bool:
@@ -305,4 +384,5 @@ def _near_copy(doc: dict, dst: Path, provenance: dict) -> Path:
 
 
 __all__ = ["REFUSED", "HonestRun", "Plant", "resave", "claimed_generation", "variant", "noop_bundle",
-           "second_tensor_bundle", "capped_bundle", "special_push_bundle", "plant_all"]
+           "second_tensor_bundle", "capped_bundle", "special_push_bundle", "one_phrase_bundle", "unnatural_text",
+           "plant_all"]
