@@ -333,30 +333,73 @@ def _esc(s: str) -> str:
     return s.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
-def render_tsv(docs, vocab, special_ids, sims) -> str:
+def _column(spec: str, a) -> list[str]:
+    """format(x, spec) of every element of a numeric column (as the f-string of each numpy element gives)."""
+    return [format(x, spec) for x in np.asarray(a).tolist()]
+
+
+def _texts(cache: dict, vocab, ids: list[int], decode) -> list[str]:
+    """The escaped text of each id of `ids` [T], each distinct id decoded once (`cache`: id -> text, per render)."""
+    out = []
+    for i in ids:
+        s = cache.get(i)
+        if s is None:
+            s = cache[i] = _esc(decode(vocab, i))
+        out.append(s)
+    return out
+
+
+# one TSV line: %-formatting of a float is format()'s (the same shortest-repr code, 'f' / 'g' and precision)
+_TSV_LINE = "\t".join(["%s"] * 6 + ["%d", "%s", "%.6f", "%.6f", "%.6f", "%.8f", "%d", "%d", "%s", "%s", "%.6g", "%.6g",
+                       "%s", "%s"])
+
+
+def _ints(a, T: int) -> list[int]:
+    return np.asarray(a[:T]).astype(np.int64).tolist()
+
+
+def _floats(a, T: int) -> list[float]:
+    return np.asarray(a[:T]).tolist()
+
+
+def _doc_rows(d, vocab, spec: np.ndarray, sims, caches: tuple[dict, dict]) -> list[str]:
+    """The TSV lines of one document, built column by column (each distinct token decoded once, the kinds by one
+    np.select) and formatted a line at a time by one template: the same bytes as formatting every cell apart."""
     from l47.model import names
     from l47.evals.metrics import SPECIAL, tok_text
 
+    T = d.T
+    if T == 0:
+        return []
+    b, n = d.ps.base, d.ps.new
+    tg = _ints(d.targets, T)
+    psb = np.exp(b.set_logp[SPECIAL]).sum(1)  # [T]
+    psn = np.exp(n.set_logp[SPECIAL]).sum(1)
+    sim = sims.get(d.sha256) or {}
+    al, st = sim.get("alone"), sim.get("stacked")
+    kind = np.select([np.asarray(d.slop_rows[:T], bool), np.asarray(d.chat.terminal[:T], bool),
+                      np.asarray(d.chat.opener[:T], bool), np.isin(np.asarray(d.targets[:T]), spec)],
+                     ["slop", "terminal", "opener", "special"], "ordinary").tolist()
+    amb, amn = _ints(b.argmax, T), _ints(n.argmax, T)
+    blank = [""] * T
+    cols = [[str(d.set)] * T, [str(d.path)] * T, [str(d.sha256)] * T, [str(t) for t in range(T)],
+            [names.ROLES[r] for r in _ints(d.role, T)], kind, tg,
+            _texts(caches[0], vocab, tg, lambda v, i: v.decode([i])),
+            _floats(b.logp_target, T), _floats(n.logp_target, T), _floats(d.ps.dlogp, T), _floats(d.ps.kld, T),
+            amb, amn, _texts(caches[1], vocab, amb, tok_text), _texts(caches[1], vocab, amn, tok_text),
+            _floats(psb, T), _floats(psn, T),
+            blank if al is None else _column(".6f", al.logp_target[:T]),
+            blank if st is None else _column(".6f", st.logp_target[:T])]
+    return [_TSV_LINE % r for r in zip(*cols)]
+
+
+def render_tsv(docs, vocab, special_ids, sims) -> str:
+    """positions.tsv: the header, then one line per scored position of every document (TSV_COLUMNS)."""
     spec = np.array(sorted(set(int(i) for i in special_ids.values())), dtype=np.int64)
     lines = ["\t".join(TSV_COLUMNS)]
+    caches: tuple[dict, dict] = ({}, {})  # id -> escaped text: vocab.decode (targets), tok_text (argmaxes)
     for d in docs:
-        b, n = d.ps.base, d.ps.new
-        tg = d.targets
-        psb = np.exp(b.set_logp[SPECIAL]).sum(1)  # [T]
-        psn = np.exp(n.set_logp[SPECIAL]).sum(1)
-        sim = sims.get(d.sha256) or {}
-        al, st = sim.get("alone"), sim.get("stacked")
-        is_spec = np.isin(tg, spec)
-        for t in range(d.T):
-            kind = ("slop" if d.slop_rows[t] else "terminal" if d.chat.terminal[t] else "opener" if d.chat.opener[t]
-                    else "special" if is_spec[t] else "ordinary")
-            row = [d.set, d.path, d.sha256, t, names.ROLES[int(d.role[t])], kind, int(tg[t]),
-                   _esc(vocab.decode([int(tg[t])])), f"{b.logp_target[t]:.6f}", f"{n.logp_target[t]:.6f}",
-                   f"{d.ps.dlogp[t]:.6f}", f"{d.ps.kld[t]:.8f}", int(b.argmax[t]), int(n.argmax[t]),
-                   _esc(tok_text(vocab, b.argmax[t])), _esc(tok_text(vocab, n.argmax[t])),
-                   f"{psb[t]:.6g}", f"{psn[t]:.6g}", "" if al is None else f"{al.logp_target[t]:.6f}",
-                   "" if st is None else f"{st.logp_target[t]:.6f}"]
-            lines.append("\t".join(str(x) for x in row))
+        lines += _doc_rows(d, vocab, spec, sims, caches)
     return "\n".join(lines) + "\n"
 
 

@@ -318,7 +318,9 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
             m = eigen_metric(background, w, w.W_sd + st.dW if cfg.refresh_fisher else w.W_sd, pb.B, events.hh, cfg,
                              cfg.ridge, seed=it)
             metric = m if metric is None else replace(m, rho=metric.rho)  # ρ stays the one set at the base
-        _gn_step(pb, metric, st, c, row, log)
+        if not _gn_step(pb, metric, st, c, row, log):
+            stop = rec.STOP_LINE_SEARCH  # no step size improved on the iterate: another step from it is the same
+            break
     return _result(pb, metric, keep, iters, stop)
 
 
@@ -359,10 +361,13 @@ def _measure(c: tuple, st: _State, cfg: WfldConfig, it: int) -> tuple[dict, tupl
     return row, (violation, residual, st.dW, worst, st.kl, st.kl_pred)
 
 
-def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> None:
+def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> bool:
     """One Gauss–Newton step from the linearisation `c` at the iterate: targets moved by at most max_step
     (continuation), the dual solved, the step damped on the exact forward, and re-solved while the KL model
-    and the exact KL disagree (at most kl_retries times). Updates `st`; the KL attempts go into `row`."""
+    and the exact KL disagree (at most kl_retries times). Updates `st`; the KL attempts and the line search's
+    merits go into `row`. Returns False, leaving `st` as it was, when no step size lowered the merit (the max
+    violation of the step's targets, `_merit`) below the iterate's own: the step failed, and since a next step
+    from the same iterate would be the same step, the solve stops (line_search_failed)."""
     vals, grads, bounds, evr, _, _ = c
     Gh = grads @ m.UG  # [m, n] constraint gradients in the G-eigenbasis
     Hrow = m.Hh[torch.as_tensor(evr, device=pb.w.device)]  # [m, f']
@@ -375,31 +380,44 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> N
         mu_t = torch.as_tensor(mu, dtype=torch.float64, device=pb.w.device)
         Yhat = -D * (Gh.T @ (mu_t[:, None] * Hrow))  # [n, f']
         new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()
-        alpha, Y_try, dW_try, c_try = _line_search(pb, st.Y, m.UG @ Yhat @ m.UA.T, step_b)
+        merit, alpha, Y_try, dW_try, c_try = _line_search(pb, st.Y, m.UG @ Yhat @ m.UA.T, step_b)
+        merit0 = _merit(vals, step_b)
+        row["line_search"] = dict(merit_before=merit0, merit_after=merit, step=alpha)
+        if merit >= merit0 - 1e-9 and merit0 > pb.cfg.gn_tol:
+            if log:
+                log(f"WFLD GN step {row['iter']}: line search failed: the least violating step ({alpha:g}) "
+                    f"violates the step's targets by {merit:.4g} nats, the iterate itself by {merit0:.4g}")
+            return False
         kl_try, kl_pred, honest = _kl_check(pb, m, st, (alpha, Y_try, dW_try), row, log)
         if honest:
             break
     st.Y, st.dW, st.cached = Y_try, dW_try, c_try
     st.kl, st.kl_pred = kl_try, kl_pred
     st.pred = vals + alpha * (new_lin - cur)
+    return True
+
+
+def _merit(vals: np.ndarray, step_b: np.ndarray) -> float:
+    """The line search's merit: the max violation (nats, ≥ 0) of the step's targets step_b [m] by values [m]."""
+    return float(np.clip(vals - step_b, 0, None).max())
 
 
 def _line_search(pb: _Problem, Y: torch.Tensor, Y_new: torch.Tensor, step_b: np.ndarray) -> tuple:
     """Damped step (backtracking on the exact forward): far from the linearisation point the log-probs of
     small-probability tokens move non-linearly, and a full step can overshoot. Returns the first step size whose
     exact violation of the step's targets is within tolerance, else the least violating one:
-    (α, Y, ΔW, its constraints)."""
+    (its merit, α, Y, ΔW, its constraints)."""
     best = None
     for alpha in pb.cfg.step_sizes:
         Y_try = Y + alpha * (Y_new - Y)
         dW_try = (Y_try @ pb.B.T).to(torch.float32)  # [n, f]
         c_try = pb.constraints(dW_try)
-        score = float(np.clip(c_try[0] - step_b, 0, None).max())
+        score = _merit(c_try[0], step_b)
         if best is None or score < best[0] - 1e-9:
             best = (score, alpha, Y_try, dW_try, c_try)
         if score <= pb.cfg.gn_tol:
             break
-    return best[1:]
+    return best
 
 
 def _kl_check(pb: _Problem, m: Metric, st: _State, trial: tuple, row: dict, log) -> tuple[float, float, bool]:

@@ -122,15 +122,31 @@ def combine(parts, k: int, pairs: int, entropy: bool):
         kl = (w[:pairs] * A.double()).sum(1) / sd[:pairs] - lse[:pairs] + lse[pairs:]
     tv = ti = None
     if k:
-        R = m.shape[0]
-        cv, ci = top_v.reshape(R, -1), top_i.reshape(R, -1)  # candidates in id order of their tiles
-        # the k largest, ties by the lower candidate position (= the lower id: tiles are in id order and each
-        # tile lists its equal logits lowest id first)
-        from l47.tail.stream import _topk_lowest_id
-
-        tv, o = _topk_lowest_id(cv, k)
-        ti = torch.gather(ci, 1, o).long()
+        tv, ti = top_of_tiles(m, top_v, top_i, k)
     return lse, tv, ti, ent, kl
+
+
+def top_of_tiles(m: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, k: int):
+    """The row's top-k (descending, ties by the lower id) from the tiles' maxima m [R, NT] and their top-k lists
+    top_v / top_i [R, NT, k] (tiles in id order, each list descending with equal logits lowest id first):
+    (values [R, k] f32, ids [R, k] int64).
+
+    Only the k tiles with the largest maxima (ties: the lower tile) can hold the row's top k: those k tiles hold k
+    values ≥ t (t = the k-th largest maximum); any element of another tile is < t, or = t and then in a tile
+    after every chosen tile whose maximum is t, so k chosen values precede it. So the k × k candidates of those
+    tiles, put back in id order, are ranked instead of all NT × k (at V 248,320: 25 per row instead of 9,700)."""
+    from l47.tail.stream import _topk_lowest_id
+
+    R, NT = m.shape
+    kk = top_v.shape[2]
+    if NT > k:
+        _, tiles = _topk_lowest_id(m, k)  # [R, k]
+        tiles = torch.sort(tiles, dim=1).values[..., None].expand(R, k, kk)  # id order
+        top_v, top_i = torch.gather(top_v, 1, tiles), torch.gather(top_i, 1, tiles)  # [R, k, k]
+    cv, ci = top_v.reshape(R, -1), top_i.reshape(R, -1)  # candidates in id order of their tiles
+    # the k largest, ties by the lower candidate position (= the lower id)
+    tv, o = _topk_lowest_id(cv, k)
+    return tv, torch.gather(ci, 1, o).long()
 
 
 # ----------------------------------------------------------------------------------------------------------
