@@ -127,12 +127,18 @@ def sweep_split(w, mix_b, mix_n, configs: list[dict], reps: int = 3) -> list[dic
     return rows
 
 
+_S = dict(BM=128, BN=128, GROUP=8, num_warps=8, PROMOTE=True, STACK=True)  # 64 pairs a program, one accumulator
 SWEEP = [dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=True),
          dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=4, PROMOTE=True),
          dict(BM=128, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=2, PROMOTE=True),
          dict(BM=128, BN=128, BK=64, GROUP=4, num_warps=8, num_stages=2, PROMOTE=True),
          dict(BM=128, BN=128, BK=32, GROUP=16, num_warps=8, num_stages=3, PROMOTE=True),
-         dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=False)]
+         dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=False),
+         dict(_S, BK=32, num_stages=3), dict(_S, BK=32, num_stages=4), dict(_S, BK=32, num_stages=5),
+         dict(_S, BK=64, num_stages=3), dict(_S, BK=64, num_stages=3, GROUP=16), dict(_S, BK=64, num_stages=2)]
+# STACK (l47/tail/fused_kernels.py split_kernel_stacked): the pairs' base and edited rows share one accumulator, so
+# BK 64 fits 3 stages (2 × (2 A tiles of 128 × 64 + 2 B tiles of 64 × 128) fp16 = 192 KiB at 3 stages) and the
+# registers hold one [128, 128] f32 accumulator and its block partial instead of two and one
 # the first device run's wider sweep (docs/BENCHMARKS.md): BM 32–128, BN 64–256, BK 32/64, 4/8 warps, 3–4 stages;
 # BN 256 and BM 128 × BK 64 × 3 stages do not fit the shared memory or run 3–4× slower. BK 64 at 2 stages promotes
 # the tensor cores' partial every 64 terms (half the CUDA-core adds of BK 32) and fits the shared memory
@@ -147,7 +153,7 @@ def sweep_errors(w, mix, configs, rows: int = 64) -> list[float]:
     errs = []
     for cfg in configs:
         z = torch.empty(rows, w.head.shape[0], device=x.device)
-        try:
+        try:  # STACK: the stacked kernel, as every split pass of a run whose config it is (the check's too)
             fused.split_fp16_partials(xp, hp, 0, 5, z_out=z, cfg=cfg)
             errs.append(float((z.double() - ref).abs().max()))
         except Exception:  # noqa: BLE001
@@ -197,7 +203,7 @@ def main(argv=None) -> dict:
         ok = [r for r in rows if "s" in r and r["max_logit_err"] <= stream.SPLIT_MAX_RATIO * errs[-1]]
         if ok:  # the fastest within the per-run check's error rule; none: the default config stays
             best = min(ok, key=lambda r: r["s"])
-            fused.SPLIT_CFG.update({k: best[k] for k in fused.SPLIT_CFG})
+            fused.SPLIT_CFG.update(STACK=False, **{k: best[k] for k in best if k in fused.SPLIT_CFG})
         print("best", fused.SPLIT_CFG, "f32 err", errs[-1], flush=True)
         out["sweep"]["chosen"] = dict(fused.SPLIT_CFG)
         save()

@@ -183,11 +183,13 @@ def _build():
     from l47.tail import fused_kernels as fk
 
     _K["reduce"], _K["split"], _K["cdiv"] = fk.reduce_kernel, fk.split_kernel, fk.cdiv
+    _K["split_stacked"] = fk.split_kernel_stacked
 
 
 # kernel shapes (set by the bench's sweep on one H200; any value is correct)
 REDUCE_BM, REDUCE_BN = 16, 256
-SPLIT_CFG = dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=True)
+SPLIT_CFG = dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=True, STACK=False)
+# STACK: row pairs through split_kernel_stacked (BM = base + edited rows of BM/2 pairs, one accumulator)
 
 
 def _alloc(R, P, NT, k, dev):
@@ -233,7 +235,8 @@ class ReducePartials:
 
 def split_fp16_partials(xp, hp, pairs: int, k: int, z_out: torch.Tensor | None = None, cfg: dict | None = None):
     """Tile partials of the split-fp16 head pass over all of V for the rows of xp (split_fp16 of mix [R, n]);
-    with `z_out` [R, V] f32 the logits are written too (the per-run check's rows)."""
+    with `z_out` [R, V] f32 the logits are written too (the per-run check's rows; split_kernel with pairs writes
+    the base rows only, the stacked kernel every row)."""
     c = dict(SPLIT_CFG, **(cfg or {}))
     xh, xl, xi = xp
     hh, hl, hinv = hp
@@ -250,6 +253,13 @@ def split_fp16_partials(xp, hp, pairs: int, k: int, z_out: torch.Tensor | None =
         _store(parts, torch_partials(z, pairs, c["BN"], k), 0)
         return parts
     cd = _K["cdiv"]
+    if c.get("STACK"):  # split_kernel_stacked: rows i and P + i share a program (pairs: base and edited)
+        Ps = pairs if pairs else -(-R // 2)
+        _K["split_stacked"][(cd(Ps, c["BM"] // 2) * NT,)](
+            xh, xl, xi, hh, hl, hinv, R, Ps, V, n, NT, m, s, sz, A, tv, ti, z_out if z_out is not None else m,
+            BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP=c["GROUP"], KTOP=k, PAIRED=pairs > 0,
+            WRITE_Z=z_out is not None, PROMOTE=c["PROMOTE"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+        return parts
     grid = (cd(rows, c["BM"]) * NT,)
     _K["split"][grid](xh, xl, xi, hh, hl, hinv, rows, pairs, V, n, NT, m, s, sz, A, tv, ti,
                       z_out if z_out is not None else m,

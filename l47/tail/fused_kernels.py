@@ -128,3 +128,55 @@ def split_kernel(XH, XL, XI, HH, HL, HI, MROWS, P, V, N, NT, M, S, SZ, A, TV, TI
         at = tl.sum(tl.where(mcol[None, :], e * (z - z2), 0.0), 1)
         tl.store(A + rm * NT + pid_n, at, mask=mrow)
         _epilogue(z2, rm + P, rn, pid_n, mrow, mcol, M, S, SZ, TV, TI, NT, 0, KTOP, BN)
+
+
+@triton.jit
+def split_kernel_stacked(XH, XL, XI, HH, HL, HI, MROWS, P, V, N, NT, M, S, SZ, A, TV, TI, ZO,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                         KTOP: tl.constexpr, PAIRED: tl.constexpr, WRITE_Z: tl.constexpr, PROMOTE: tl.constexpr):
+    """split_kernel with one accumulator: a program's BM rows are rows i..i+BM/2-1 stacked on rows P+i..P+i+BM/2-1
+    (one [BM, BK] operand, the same products per logit as split_kernel). PAIRED: those are a pair's base and
+    edited rows (P pairs, MROWS = 2P), split back into the two halves for the pair term; else any MROWS rows with
+    P = ceil(MROWS / 2). One [BM, BN] accumulator (split_kernel's paired tile: two) leaves the registers and
+    shared memory for deeper pipelines or BK 64 at 3 stages. WRITE_Z stores the logits of every row into ZO
+    [MROWS, V]. Many parameters because a Triton kernel's signature is its launch: every pointer, size and
+    compile-time constant is one argument (no structs)."""
+    BMH: tl.constexpr = BM // 2
+    pid = tl.program_id(0)
+    npm = tl.cdiv(P, BMH)
+    in_group = GROUP * NT
+    first = (pid // in_group) * GROUP
+    gsz = tl.minimum(npm - first, GROUP)
+    pid_m = first + (pid % in_group) % gsz
+    pid_n = (pid % in_group) // gsz
+    j = tl.arange(0, BM)
+    pr = pid_m * BMH + j % BMH  # the pair of each stacked row
+    rm = tl.where(j < BMH, pr, pr + P)  # its row of XH / XL (base rows 0..P-1, edited rows P..2P-1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    mrow = (pr < P) & (rm < MROWS)
+    mcol = rn < V
+    xo = rm[:, None] * N + rk[None, :]  # [BM, BK]
+    ho = rn[None, :] * N + rk[:, None]  # [BK, BN] (head rows as columns)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, N, BK):
+        bh = tl.load(HH + ho + k0, mask=mcol[None, :], other=0.0)
+        bl = tl.load(HL + ho + k0, mask=mcol[None, :], other=0.0)
+        ah = tl.load(XH + xo + k0, mask=mrow[:, None], other=0.0)
+        al = tl.load(XL + xo + k0, mask=mrow[:, None], other=0.0)
+        if PROMOTE:  # as split_kernel: the block's BK-term partial added to acc on the CUDA cores
+            acc += tl.dot(al, bh, tl.dot(ah, bl, tl.dot(ah, bh)))
+        else:
+            acc = tl.dot(al, bh, tl.dot(ah, bl, tl.dot(ah, bh, acc)))
+    hinv = tl.load(HI + rn, mask=mcol, other=1.0)
+    xinv = tl.load(XI + rm, mask=mrow, other=1.0)
+    z = acc * xinv[:, None] * hinv[None, :]
+    if WRITE_Z:
+        tl.store(ZO + rm[:, None] * V + rn[None, :], z, mask=mrow[:, None] & mcol[None, :])
+    e, mt = _epilogue(z, rm, rn, pid_n, mrow, mcol, M, S, SZ, TV, TI, NT, 0, KTOP, BN)
+    if PAIRED:  # the pair term: rows j and BMH + j are base and edited of one pair
+        zb, zn = tl.split(tl.permute(tl.reshape(z, (2, BMH, BN)), (1, 2, 0)))  # [BMH, BN] each
+        eb, _ = tl.split(tl.permute(tl.reshape(e, (2, BMH, BN)), (1, 2, 0)))
+        at = tl.sum(tl.where(mcol[None, :], eb * (zb - zn), 0.0), 1)  # [BMH]
+        pb = pid_m * BMH + tl.arange(0, BMH)
+        tl.store(A + pb * NT + pid_n, at, mask=pb < P)

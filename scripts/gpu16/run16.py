@@ -1,8 +1,8 @@
 """Issue 16 on one H200 in one call (perf helper): `python3 scripts/gpu16/run16.py pipe|audit|head`, each part in
 its own process. Staged with scripts/gpu16/stage.sh; the call (carry [".perf"]):
-    cd .perf && . scripts/gpu16/setup.sh && S=$SECONDS && { timeout 250 python3 scripts/gpu16/run16.py pipe;
+    cd .perf && . scripts/gpu16/setup.sh && S=$SECONDS && { timeout 300 python3 scripts/gpu16/run16.py pipe;
     timeout 90 python3 scripts/gpu16/run16.py audit;
-    timeout $((400 - SECONDS + S)) python3 scripts/gpu16/run16.py head; } 2>&1 | tee $OUT/log
+    timeout $((560 - SECONDS + S)) python3 scripts/gpu16/run16.py head; } 2>&1 | tee $OUT/log
 
 pipe  the full-size pipeline benchmark (`l47 bench --what pipeline --device cuda`): world set-up timed apart, then
       sets -> solve (WFLD) -> audit with wall / CPU / peak per stage and the solve's and audit's sub-step times in
@@ -126,10 +126,34 @@ def audit_only() -> None:
                                               DEV, stages, log).passed))
 
 
+def stacked_vs_split(rows: int = 64) -> dict:
+    """The stacked kernel's logits against split_kernel's (same BK 32, promotion every 32 terms) and f64 on `rows`
+    rows of the bench's synthetic head: max |Δ| (0 when the tensor cores' sums per logit are the same)."""
+    import torch
+
+    from l47.app.bench import REAL, synthetic_weights
+    from l47.tail import fused
+
+    w = synthetic_weights(REAL, "cuda")
+    x = torch.randn(rows, REAL["n"], generator=torch.Generator().manual_seed(3)).cuda()
+    xp, hp = fused.split_fp16(x), fused.split_fp16(w.head)
+    fused.available(x)
+    out = {}
+    for name, st in (("split", False), ("stacked", True)):
+        z = torch.empty(rows, w.head.shape[0], device="cuda")
+        fused.split_fp16_partials(xp, hp, 0, 5, z_out=z, cfg=dict(BK=32, num_stages=3, STACK=st))
+        out[name] = z
+    ref = x.double() @ w.head.double().T
+    return dict(max_abs_stacked_minus_split=float((out["stacked"] - out["split"]).abs().max()),
+                err_split=float((out["split"].double() - ref).abs().max()),
+                err_stacked=float((out["stacked"].double() - ref).abs().max()))
+
+
 def head() -> None:
     from l47.app import bench_fused
 
     step("head", "env", env)
+    step("head", "stacked_vs_split", stacked_vs_split)
     got = step("head", "bench_fused", lambda: bench_fused.main(["-T", "4096", "--sweep", "--reps", "5",
                                                                 "--json", str(OUT / "run16_head_bench.json")]))
     if got is not None:
