@@ -147,3 +147,22 @@ def test_top_of_tiles_equals_ranking_every_candidate(k):
         kk = min(k, z.shape[1])
         ref = torch.sort(z, dim=1, descending=True, stable=True).indices[:, :kk]
         assert torch.equal(ti[:, :kk], ref), (NT, span)
+
+
+def test_split_cfg_lowers_bk_for_a_head_width_that_is_no_multiple():
+    """The split kernel's BK 64 default serves widths that are multiples of 64 (n 2560); any multiple of
+    SPLIT_BK_MIN takes BK 32 at 4 stages, and stream_head's fused path accepts it; other widths take the streaming
+    accumulator."""
+    from l47.tail.stream import _fused_ok
+
+    assert fused.split_cfg(2560) == fused.SPLIT_CFG and fused.SPLIT_CFG["BK"] == 64
+    c = fused.split_cfg(96)
+    assert (c["BK"], c["num_stages"]) == (fused.SPLIT_BK_MIN, 4) and c["STACK"] == fused.SPLIT_CFG["STACK"]
+    assert fused.split_cfg(96, dict(BK=32, num_stages=3))["num_stages"] == 3
+    fused.use_torch_backend(True)
+    try:
+        x = torch.zeros(2, 96)
+        assert _fused_ok(x, torch.zeros(10, 96), "split-fp16") and not _fused_ok(x[:, :40], torch.zeros(10, 40),
+                                                                                 "split-fp16")
+    finally:
+        fused.use_torch_backend(False)

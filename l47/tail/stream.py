@@ -331,7 +331,7 @@ def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = No
 def _fused_ok(mix: torch.Tensor, head: torch.Tensor, precision: str | None) -> bool:
     if not (FUSED and mix.dtype == torch.float32 and fused.available(mix)):
         return False
-    return precision != "split-fp16" or head.shape[1] % fused.SPLIT_CFG["BK"] == 0
+    return precision != "split-fp16" or head.shape[1] % fused.SPLIT_BK_MIN == 0
 
 
 def _stream_fused(mix, head, num, chunk, topk, entropy, pairs) -> Streamed:
