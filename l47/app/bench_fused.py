@@ -128,8 +128,8 @@ def sweep_split(w, mix_b, mix_n, configs: list[dict], reps: int = 3) -> list[dic
 
 
 _S = dict(BM=128, BN=128, GROUP=8, num_warps=8, PROMOTE=True, STACK=True)  # 64 pairs a program, one accumulator
-SWEEP = [dict(_S, BK=64, num_stages=3, GROUP=16),  # the default (SPLIT_CFG)
-         dict(_S, BK=64, num_stages=3, GROUP=8), dict(_S, BK=64, num_stages=3, GROUP=4),
+SWEEP = [dict(_S, BK=64, num_stages=3, GROUP=4),  # the default (SPLIT_CFG)
+         dict(_S, BK=64, num_stages=3, GROUP=8), dict(_S, BK=64, num_stages=3, GROUP=16),
          dict(_S, BK=64, num_stages=3, GROUP=32), dict(_S, BK=64, num_stages=3, GROUP=16, PROMOTE=False),
          dict(BM=128, BN=128, BK=32, GROUP=8, num_warps=8, num_stages=3, PROMOTE=True, STACK=False)]
 # split_kernel's configs measured in the 2026-12-04 01:45 UTC run (docs/BENCHMARKS.md): BK 32 at 3 / 4 stages,

@@ -188,10 +188,11 @@ def _build():
 
 # kernel shapes (set by the bench's sweep on one H200; any value is correct)
 REDUCE_BM, REDUCE_BN = 16, 256
-SPLIT_CFG = dict(BM=128, BN=128, BK=64, GROUP=16, num_warps=8, num_stages=3, PROMOTE=True, STACK=True)
-# STACK: split_kernel_stacked (BM = base + edited rows of BM/2 pairs, one accumulator; BK 64 fits 3 stages: one
-# H200, kernel alone 65,994 paired positions/s vs split_kernel's best 59,654, error 1.24e-5 vs 1.02e-5 with the f32
-# GEMM's 1.6e-5). A head whose width is no multiple of BK takes SPLIT_BK_MIN.
+SPLIT_CFG = dict(BM=128, BN=128, BK=64, GROUP=4, num_warps=8, num_stages=3, PROMOTE=True, STACK=True)
+# STACK: split_kernel_stacked (BM = base + edited rows of BM/2 pairs, one accumulator; BK 64 fits 3 stages). One
+# H200, 2026-12-04 01:50 UTC (docs/BENCHMARKS.md): kernel alone 66,727 paired positions/s at GROUP 4 (GROUP 8 / 16
+# within 0.6 %, 32 −3 %), split_kernel's old default 59,213 in the same sweep; max logit error 1.24e-5 (promotion
+# every 64 terms) vs 1.02e-5, the f32 GEMM's 1.61e-5. A head whose width is no multiple of BK takes SPLIT_BK_MIN.
 SPLIT_BK_MIN = 32
 
 
