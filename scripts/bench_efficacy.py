@@ -12,6 +12,8 @@ Usage:
     python scripts/bench_efficacy.py --out /tmp/bench_efficacy                 # both models, both methods
     python scripts/bench_efficacy.py --models model2 --methods wfld --small   # reduced size (the e2e test)
     python scripts/bench_efficacy.py --out DIR --markdown docs/BENCHMARKS.md  # append the table
+    python scripts/bench_efficacy.py --out DIR --methods ''                   # dumps and sets only
+    python scripts/bench_efficacy.py --out DIR --methods ftpo --reuse          # solve + audit on DIR's dumps/sets
 
 Outputs: DIR/<model>/ (dumps, experiment.toml, sets.json, <method>/bundle.gguf, <method>/audit/), DIR/results.json
 (everything above) and DIR/results.md (the table).
@@ -147,7 +149,8 @@ def _per_phrase(rows: list[dict] | None) -> dict:
     return out
 
 
-def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, max_new_tokens: int, log) -> dict:
+def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, max_new_tokens: int, log,
+              reuse: bool = False) -> dict:
     from l47.app.demo import write_experiment
     from l47.data.sets import build_sets, write_sets_json
     from l47.dumps.select import SPLITS
@@ -155,15 +158,27 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
     from l47.evals.audit import AuditArgs, run_audit
     from l47.solvers.solve import SolveArgs, run_solve
 
+    from l47.data.sets import load_sets_report
+    from l47.fileio import write_text_atomic
+
     res: dict = {"model": str(spec.model), "methods": {}}
     t0 = time.time()
-    dirs = dump_all(spec, out, caps, max_new_tokens, log)
+    manifest, sets_json = out / "dumps.json", out / "sets.json"
+    if reuse and manifest.is_file() and sets_json.is_file():  # the dumps and sets of an earlier run of this --out
+        dirs = {k: [Path(x) for x in v] for k, v in json.loads(manifest.read_text())["dirs"].items()}
+        log(f"{spec.name}: reusing {sum(map(len, dirs.values()))} dumps and {sets_json}")
+    else:
+        dirs = dump_all(spec, out, caps, max_new_tokens, log)
+        write_text_atomic(manifest, json.dumps({"dirs": {k: [str(x) for x in v] for k, v in dirs.items()}}))
     res["dump_s"] = round(time.time() - t0, 1)
     exp = write_experiment(out, spec.model.resolve(), dirs, solver="", phrases=spec.phrases, words=(),
                            name=f"bench {spec.name}")
     t0 = time.time()
-    report = build_sets(exp)
-    sets_json = write_sets_json(report, out / "sets.json")
+    if reuse and sets_json.is_file() and manifest.is_file():
+        report = load_sets_report(sets_json)
+    else:
+        report = build_sets(exp)
+        write_sets_json(report, sets_json)
     res["sets_s"] = round(time.time() - t0, 1)
     counts = report.counts("events")
     res["events"] = {ph: {s: c.get(s, 0) for s in (*SPLITS, "chat_heldout")} for ph, c in counts.items()}
@@ -176,7 +191,9 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         bundle = mdir / "bundle.gguf"
         t0 = time.time()
         try:
-            solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json))
+            solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json),
+                               log=lambda s: log(f"{spec.name}/{method}: {s}"),
+                               progress=lambda r: log(f"{spec.name}/{method}: {_progress_line(r)}"))
         except L47Error as e:
             m.update(solve_error=str(e), solve_s=round(time.time() - t0, 1))
             log(f"{spec.name}/{method}: solve refused: {e}")
@@ -206,6 +223,14 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         log(f"{spec.name}/{method}: audit {'PASS' if a.passed else 'FAIL'}; held-out residual "
             f"{(m['heldout'].get('(all)') or {}).get('residual')}")
     return res
+
+
+def _progress_line(r: dict) -> str:
+    """One FTPO evaluation as a log line: step, exact KL (background / dev rows), turn ends lost, residuals."""
+    res = {**r.get("train_residual", {}), **r.get("dev_residual", {})}
+    return (f"step {r.get('step')}/{r.get('steps')} kl {_f(r.get('kl_exact'))} dev {_f(r.get('kl_dev'))} "
+            f"flips {r.get('dev_flips')} ends lost {r.get('turn_ends_lost')} λ {_f(r.get('lambda'))} "
+            f"{r.get('elapsed_s')} s | " + " ".join(f"{k} {v:.2f}" for k, v in sorted(res.items())))
 
 
 def _f(x, nd=3) -> str:
@@ -264,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="reduced document counts (the end-to-end test)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--markdown", default="", help="append the section to this file (docs/BENCHMARKS.md)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse the dumps and sets.json an earlier run wrote under the same --out (solve + audit only)")
     a = ap.parse_args(argv)
     import platform
 
@@ -288,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         t0 = time.time()
         results["models"][name] = run_model(sp[name], out / name, methods, SMALL if a.small else {},
-                                            a.max_new_tokens, lambda s: print(s, flush=True))
+                                            a.max_new_tokens, lambda s: print(s, flush=True), a.reuse)
         results["models"][name]["total_s"] = round(time.time() - t0, 1)
     from l47.fileio import write_text_atomic
 

@@ -28,6 +28,7 @@ class Batch:
     target: torch.Tensor  # [P] long — the actual next token
     doc: tuple[str, ...]  # doc sha256 per position
     pos: tuple[int, ...]  # row in its dump
+    role: torch.Tensor | None = None  # [P] long: the dump's role code of each target (None: not gathered)
 
     @property
     def P(self) -> int:
@@ -36,7 +37,7 @@ class Batch:
 
 def gather(items: list[tuple[object, list[int]]], device) -> Batch:
     """items: (Dump, rows) pairs -> one Batch (rows in the given order)."""
-    parts = {k: [] for k in ("R", "inj", "hh", "sgv", "yr", "target")}
+    parts = {k: [] for k in ("R", "inj", "hh", "sgv", "yr", "target", "role")}
     docs, poss = [], []
     for d, rows in items:
         if not len(rows):
@@ -45,6 +46,7 @@ def gather(items: list[tuple[object, list[int]]], device) -> Batch:
         for k in ("R", "inj", "hh", "sgv", "yr"):
             parts[k].append(as_f32(np.asarray(getattr(d, k))[idx], device))
         parts["target"].append(torch.as_tensor(np.asarray(d.tokens)[idx + 1].astype(np.int64), device=device))
+        parts["role"].append(torch.as_tensor(np.asarray(d.role)[idx].astype(np.int64), device=device))
         docs += [d.sha256] * len(idx)
         poss += [int(i) for i in idx]
     if not docs:
@@ -60,19 +62,21 @@ def batch_to(b: Batch | None, device) -> Batch | None:
     if b is None:
         return None
     return Batch(R=b.R.to(device), inj=b.inj.to(device), hh=b.hh.to(device), sgv=b.sgv.to(device),
-                 yr=b.yr.to(device), target=b.target.to(device), doc=b.doc, pos=b.pos)
+                 yr=b.yr.to(device), target=b.target.to(device), doc=b.doc, pos=b.pos,
+                 role=None if b.role is None else b.role.to(device))
 
 
 def batch_rows(b: Batch, rows: torch.Tensor) -> Batch:
     """The positions `rows` of a batch (their provenance dropped)."""
     return Batch(R=b.R[rows], inj=b.inj[rows], hh=b.hh[rows], sgv=b.sgv[rows], yr=b.yr[rows],
-                 target=b.target[rows], doc=(), pos=())
+                 target=b.target[rows], doc=(), pos=(), role=None if b.role is None else b.role[rows])
 
 
 def batch_cat(bs: list[Batch]) -> Batch:
     """Batches one after the other (their provenance dropped)."""
+    role = torch.cat([b.role for b in bs]) if all(b.role is not None for b in bs) else None
     return Batch(**{k: torch.cat([getattr(b, k) for b in bs]) for k in ("R", "inj", "hh", "sgv", "yr", "target")},
-                 doc=(), pos=())
+                 doc=(), pos=(), role=role)
 
 
 def batch_mix(b: Batch, w: TailWeights, W_sd=None, dW=None) -> torch.Tensor:

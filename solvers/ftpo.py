@@ -86,6 +86,7 @@ class FtpoConfig:
     lambda_ridge: float = 0.0
     tether_topk: int = 32  # K of the conditional tether at events and near misses
     background_batch: int = 512  # background positions per step (rotating); the exact KL uses all of them
+    kl_rows: int = 65536  # background (and dev) positions at most: every row of the documents up to this cap
     anchor_batch: int = 256  # soft anchors per step (rotating; 0: all)
     eval_every: int = 10
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
@@ -112,6 +113,7 @@ class FtpoProblem:
     dev_phrase: list[str] = field(default_factory=list)
     dev_rows: Batch | None = None  # dev documents' positions away from prefix rows: exact KL and flips per candidate
     special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
+    im_end: int | None = None  # the turn-end token: the judge counts turn ends (dev rows, anchors) that lose its argmax
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
 
 
@@ -403,6 +405,7 @@ class _Judge:
             with torch.no_grad():
                 self.mix0_dev = batch_mix(pb.dev_rows, w)  # [D, n]
                 self.arg0_dev = stream_head(self.mix0_dev, w.head, w.numerics, topk=1).top_i[:, 0].to(w.device)  # [D]
+        self.ends = _TurnEnds(w, pb, self.arg0_dev if pb.dev_rows is not None else None)
 
     def __call__(self, step: int, dW: torch.Tensor, lam: float) -> dict:
         w, pb, t = self.w, self.pb, self.pb.target_residual
@@ -415,27 +418,72 @@ class _Judge:
             if pb.dev is not None:
                 p1 = np.exp(head_stats(batch_mix(pb.dev, w, W_sd=Wq), w, pb.dev_final.cpu().numpy()).logp_target)
                 dv = _phrase_residuals(self.dev_p0, p1, pb.dev_phrase)
-            kl_dev, flips = self._dev_rows(Wq)
+            kl_dev, flips, arg_dev, kl_role = self._dev_rows(Wq)
+            ends_lost = self.ends.lost(Wq, arg_dev)
         judge = {**tr, **dv}  # dev where a phrase has dev events, else train
         key = (_removal_score(judge, t), kl)
-        ok = kl <= pb.kl_budget and (kl_dev is None or kl_dev <= pb.kl_budget) and not flips
+        ok = (kl <= pb.kl_budget and (kl_dev is None or kl_dev <= pb.kl_budget) and not flips
+              and not ends_lost["dev"] and not ends_lost["anchors"])
         if ok and (self.best is None or key < self.best[0]):
             self.best = (key, step, dW.clone(), kl, dv, tr)
-        return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "dev_flips": flips, "lambda": lam,
-                "train_residual": tr, "dev_residual": dv, "reached": ok and all(v <= t for v in judge.values())}
+        return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "kl_dev_role": kl_role, "dev_flips": flips,
+                "turn_ends_lost": ends_lost,
+                "lambda": lam, "train_residual": tr, "dev_residual": dv,
+                "reached": ok and all(v <= t for v in judge.values())}
 
-    def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int]:
-        """(mean exact KL, argmax flips to a special token) at the dev documents' rows: bars (g) and (f) measured
-        on chats of the held-out kind that the trainer never sees (None, 0 without dev documents)."""
+    def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int, torch.Tensor | None, dict]:
+        """(mean exact KL, argmax flips to a special token, the edited argmax [D], role -> mean KL) at the dev
+        documents' rows: bars (g) and (f) measured on chats of the held-out kind that the trainer never sees (None,
+        0, None, {} without dev documents)."""
         pb, w = self.pb, self.w
         if pb.dev_rows is None:
-            return None, 0
+            return None, 0, None, {}
         mix = batch_mix(pb.dev_rows, w, W_sd=Wq)  # [D, n]
         st = stream_head(torch.cat([self.mix0_dev, mix]), w.head, w.numerics, topk=1, pairs=mix.shape[0])  # one pass
         kl = float(st.kl.double().mean())
         arg = st.top_i[mix.shape[0]:, 0].to(w.device)  # [D]
         flips = int((torch.isin(arg, self.special) & ~torch.isin(self.arg0_dev, self.special)).sum())
-        return kl, flips
+        return kl, flips, arg, _by_role(st.kl.double(), pb.dev_rows.role)
+
+
+def _by_role(x: torch.Tensor, role: torch.Tensor | None) -> dict[str, float]:
+    """role name -> mean of x [P] over the rows of that role ({} when the batch has no roles)."""
+    if role is None:
+        return {}
+    role = role.to(x.device)
+    return {names.ROLES[int(r)]: float(x[role == r].mean()) for r in torch.unique(role)}
+
+
+class _TurnEnds:
+    """Bar (f)'s turn-end argmax, judged per candidate: the real turn ends (target <|im_end|>) where <|im_end|> is
+    the base argmax — at the dev documents' rows (never trained on: the held-out kind) and at the trainer's
+    turn-end anchors (in-sample) — counted when it is no longer the argmax."""
+
+    def __init__(self, w: TailWeights, pb: FtpoProblem, arg0_dev: torch.Tensor | None):
+        self.w, self.dev_idx, self.an = w, None, None
+        if pb.im_end is None:
+            return
+        if arg0_dev is not None:
+            tg = pb.dev_rows.target.to(arg0_dev.device)
+            self.dev_idx = torch.nonzero((tg == pb.im_end) & (arg0_dev == pb.im_end))[:, 0]  # [Td]
+        ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+        if ends and pb.anchors is not None:
+            b = batch_rows(pb.anchors, torch.as_tensor(ends, device=w.device))
+            with torch.no_grad():
+                a0 = stream_head(batch_mix(b, w), w.head, w.numerics, topk=1).top_i[:, 0].to(w.device)
+            keep = torch.nonzero(a0 == pb.im_end)[:, 0]
+            self.an = batch_rows(b, keep) if keep.numel() else None
+        self.im_end = pb.im_end
+
+    def lost(self, Wq: torch.Tensor, arg_dev: torch.Tensor | None) -> dict[str, int]:
+        """{"dev": n, "anchors": n} turn ends whose argmax is no longer <|im_end|> under the shipped W."""
+        out = {"dev": 0, "anchors": 0}
+        if self.dev_idx is not None and arg_dev is not None and self.dev_idx.numel():
+            out["dev"] = int((arg_dev[self.dev_idx] != self.im_end).sum())
+        if self.an is not None:
+            a1 = stream_head(batch_mix(self.an, self.w, W_sd=Wq), self.w.head, self.w.numerics, topk=1).top_i[:, 0]
+            out["anchors"] = int((a1.to(self.w.device) != self.im_end).sum())
+        return out
 
 
 class _Rotation:
@@ -515,7 +563,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             break
         if info["kl_exact"] > pb.kl_budget:  # the dev rows' KL and flips only judge candidates (never trained on)
             lam = min(lam * 2.0, 1e6)
-        if info["dev_flips"]:
+        if info["dev_flips"] or sum(info["turn_ends_lost"].values()):  # the near-tie guard stiffens
             obj.lam_flip = min(obj.lam_flip * 2.0, 1e6)
         judged = {**info["train_residual"], **info["dev_residual"]}  # a phrase at its target stops pulling: the
         obj.phrase_on = torch.as_tensor([float(judged[p] > pb.target_residual) for p in sorted(ph_ids)],  # budget

@@ -3,14 +3,17 @@
     train / dev events      every accepted event of the train / dev sets (the sets report's events)
     anchors                 collateral_anchor occurrences, thinned to at most `max_anchors_per_word` per word
                             (evenly spread), plus — with `protect_turn_ends` — the real turn ends (<|im_end|>
-                            targets) of the solver's chats (background, train, dev), protected exactly
+                            targets) of the solver's chats (background, train, dev; FTPO: background and train —
+                            the dev documents' turn ends judge its candidates), protected exactly
     background              every `stride`-th position of the accepted background documents (FTPO: and of the train
-                            documents), the stride chosen
-                            so that at most `max_background` positions are used, prefix rows left out (where
-                            moving mass off the banned word is the intended effect: l47.dumps.select.prefix_rows,
-                            the definition bar (e) reports apart)
-    dev rows                positions of the dev documents, strided, prefix rows left out (FTPO: exact KL and
-                            flips of each candidate, judged, never trained on)
+                            documents), the stride chosen so that at most `max_background` positions are used
+                            (WFLD: its Fisher) — FTPO: EVERY row, up to its `kl_rows` cap (a strided sample is what
+                            the edit fits: on the demo the KL at the rows it never saw was 3.8× the KL at the ones
+                            it did, and the held-out chats' KLD, bar (g), bound the edit) — prefix rows left out
+                            (where moving mass off the banned word is the intended effect:
+                            l47.dumps.select.prefix_rows, the definition bar (e) reports apart)
+    dev rows                positions of the dev documents (every row up to FTPO's `kl_rows`), prefix rows left out
+                            (FTPO: exact KL and flips of each candidate, judged, never trained on)
     near misses             prefix rows of the solver's documents (background, train, dev) whose target is not the
                             phrase's final token: only the banned token's mass may move there (FTPO's tether)
 
@@ -75,10 +78,18 @@ def thin_anchors(anchors: list, per_word: int, order: ContentOrder) -> list:
 
 
 def background_positions(bg_docs: list, max_background: int) -> tuple[list[tuple[str, int]], int, int]:
-    """Every stride-th row of each document, stride = ceil(total / max_background). -> (pairs, stride, total)"""
+    """Every stride-th row of each document, stride = ceil(total / max_background) (1: every row when the
+    documents hold at most max_background). -> (pairs, stride, total)"""
     total = sum(d.T for d in bg_docs)
     stride = max(1, int(np.ceil(total / max_background)))
     return [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)], stride, total
+
+
+def background_cap(cfg) -> int:
+    """Positions of the background (and dev rows) at most: FTPO's `kl_rows` (every row of the documents, so the
+    step's rotating subsets and the judge's exact KL cover the rows the held-out chats resemble), WFLD's
+    `max_background` (its Fisher's sample)."""
+    return int(cfg.ftpo.kl_rows) if cfg.method == "ftpo" else int(cfg.max_background)
 
 
 def phrase_tuples(report) -> list:
@@ -145,19 +156,22 @@ def select_positions(report, cfg, where: str | Path, tokens_of) -> Selection:
     # phrases, do not show it; measured on the demo: held-out chat KLD 16× the background KL without them)
     kl_docs = bg_docs + (by_order([d for d in accepted if d.set == "train"], lambda d: d.sha256, lambda d: 0)
                          if cfg.method == "ftpo" else [])
-    bg, stride, total = background_positions(kl_docs, cfg.max_background)
+    cap = background_cap(cfg)
+    bg, stride, total = background_positions(kl_docs, cap)
     pts = phrase_tuples(report)
     bg = without_prefix_rows(bg, kl_docs, pts, tokens_of)
     im_end = report.special_ids.get(names.IM_END)
     turn_ends = []
     if cfg.protect_turn_ends and im_end is not None:
-        own = by_order([d for d in accepted if d.set in ("train", "dev")], lambda d: d.sha256, lambda d: 0)
+        # FTPO: the dev documents' turn ends are judged (their argmax, per candidate), never trained on
+        own_sets = ("train",) if cfg.method == "ftpo" else ("train", "dev")
+        own = by_order([d for d in accepted if d.set in own_sets], lambda d: d.sha256, lambda d: 0)
         turn_ends = turn_end_rows(bg_docs + own, int(im_end), tokens_of)
     special = sorted(set(int(v) for v in report.special_ids.values()))
     solver_docs = bg_docs + by_order([d for d in accepted if d.set in ("train", "dev")], lambda d: d.sha256,
                                      lambda d: 0)
     near = sorted(near_miss_rows(solver_docs, pts, tokens_of), key=lambda x: order(x[0], x[1]))
     dev_docs = by_order([d for d in accepted if d.set == "dev"], lambda d: d.sha256, lambda d: 0)
-    dev_rows = without_prefix_rows(background_positions(dev_docs, cfg.max_background)[0], dev_docs, pts, tokens_of)
+    dev_rows = without_prefix_rows(background_positions(dev_docs, cap)[0], dev_docs, pts, tokens_of)
     return Selection(train, dev, anchors, turn_ends, bg, len(kl_docs), total, stride, special,
                      None if im_end is None else int(im_end), near, dev_rows)

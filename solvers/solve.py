@@ -96,7 +96,8 @@ class SolveResult:
 def _sub(cls, d: dict, where: str):
     from l47.data.experiment import config_from_table
 
-    ranges = {"p_cap": (0.0, 0.999), "step_sizes": (1e-6, 1.0), "max_removed": (0.0, 1.0), "n_chosen": (1, None)}
+    ranges = {"p_cap": (0.0, 0.999), "step_sizes": (1e-6, 1.0), "max_removed": (0.0, 1.0), "n_chosen": (1, None),
+              "kl_rows": (1, None)}
     return config_from_table(cls, d, where, f"solver.{cls.__name__.removesuffix('Config').lower()}", ranges)[0]
 
 
@@ -385,7 +386,8 @@ def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):
                        background=prob.background, target_residual=plan.cfg.target_residual,
                        kl_budget=kl_budget(plan), anchors=prob.anchors, anchor_group=groups, anchor_tol=tols,
                        near=prob.near, near_banned=prob.near_banned, dev=prob.dev, dev_final=dev_final,
-                       dev_phrase=[e.phrase for e in sel.dev], dev_rows=prob.dev_rows, special_tol=th.special_rise_tol, shipped=lambda dW: requantize(plan, dW).W_q)
+                       dev_phrase=[e.phrase for e in sel.dev], dev_rows=prob.dev_rows, special_tol=th.special_rise_tol, im_end=sel.im_end,
+                       shipped=lambda dW: requantize(plan, dW).W_q)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -312,8 +312,71 @@ def test_ftpo_judge_dev_rows_kl_and_flips_against_full_softmax(setup):
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5, kl_budget=0.1,
                      dev_rows=bg)
     judge = _Judge(w, pb, _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long)))
-    kl, flips = judge._dev_rows(w.W_sd + dW)
+    kl, flips, _, _ = judge._dev_rows(w.W_sd + dW)
     ref = _full_kl(bg, w, dW)
     assert float(ref.mean()) > 1e-3 and kl == pytest.approx(float(ref.mean()), abs=1e-6)
     want = int((torch.isin(a1, sp) & ~torch.isin(a0, sp)).sum())
     assert want > 0 and flips == want
+
+
+def test_ftpo_background_is_every_row_and_the_judge_kl_covers_them(setup):
+    """FTPO's background is EVERY row of its documents (up to `kl_rows`), WFLD's a strided sample of at most
+    `max_background`; the judge's exact KL at a candidate equals the f64 full-softmax KL averaged over all the
+    background rows (within 1e-6: f64 accumulation of f32 logits), while each step sees `background_batch` of
+    them."""
+    from types import SimpleNamespace
+
+    from l47.solvers.ftpo import FtpoProblem, _Judge, _Objective
+    from l47.solvers.select import background_cap, background_positions
+    from l47.solvers.solve import resolve_config
+
+    docs = [SimpleNamespace(sha256=f"d{i}", T=t) for i, t in enumerate((2500, 1700, 3301))]  # 7,501 rows
+    ftpo, wfld = resolve_config({}, None, "x"), resolve_config({}, "wfld", "x")
+    assert ftpo.method == "ftpo" and background_cap(ftpo) == 65536 and background_cap(wfld) == 4000
+    pairs, stride, total = background_positions(docs, background_cap(ftpo))
+    assert stride == 1 and total == 7501 and pairs == [(d.sha256, t) for d in docs for t in range(d.T)]
+    pairs_w, stride_w, _ = background_positions(docs, background_cap(wfld))
+    assert stride_w == 2 and len(pairs_w) == 1250 + 850 + 1651 <= 4000
+    capped = resolve_config({"ftpo": {"kl_rows": 3000}}, None, "x")
+    assert background_positions(docs, background_cap(capped))[1] == 3  # ceil(7501 / 3000)
+
+    w, ev, terms, bg = setup["w"], setup["ev"], setup["terms"], setup["bg"]
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5, kl_budget=0.1)
+    cfg = FtpoConfig(background_batch=16)
+    judge = _Judge(w, pb, _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long)))
+    dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(7))
+    info = judge(10, dW, 1.0)
+    ref = _full_kl(bg, w, dW)
+    assert bg.P == 249 and float(ref.mean()) > 1e-3
+    assert info["kl_exact"] == pytest.approx(float(ref.mean()), abs=1e-6)
+    assert abs(info["kl_exact"] - float(ref[:16].mean())) > 1e-4  # not one step's batch
+
+
+def test_ftpo_judge_turn_ends_lost_against_full_softmax(setup):
+    """_TurnEnds counts, under a candidate, the turn ends (target <|im_end|>) where <|im_end|> was the base argmax
+    and no longer is — at the dev rows and at the turn-end anchors — equal to the f64 full-softmax count; and such
+    a candidate is not admissible."""
+    import dataclasses
+
+    from l47.model import names
+    from l47.solvers.ftpo import FtpoProblem, _Judge, _Objective
+
+    w, ev, terms, bg = setup["w"], setup["ev"], setup["terms"], setup["bg"]
+    dW = 0.5 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(5))
+    a0 = (_mix(bg, w) @ w.head.T).double().argmax(-1)
+    a1 = (_mix(bg, w, dW=dW) @ w.head.T).double().argmax(-1)
+    both = [int(t) for t in torch.unique(a0) if ((a0 == t) & (a1 != t)).any() and ((a0 == t) & (a1 == t)).any()]
+    assert both  # planted: a base argmax that the candidate loses at some rows and keeps at others
+    im = max(both, key=lambda t: int(((a0 == t) & (a1 != t)).sum()))
+    rows = dataclasses.replace(bg, target=torch.full_like(bg.target, im))  # every row a turn end
+    want = int(((a0 == im) & (a1 != im)).sum())
+    assert want > 0 and int((a0 == im).sum()) > want
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5, kl_budget=10.0,
+                     dev_rows=rows, anchors=rows, anchor_group=[names.IM_END] * rows.P,
+                     anchor_tol=[0.05] * rows.P, im_end=im)
+    judge = _Judge(w, pb, _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long)))
+    info = judge(10, dW, 1.0)
+    assert info["turn_ends_lost"] == {"dev": want, "anchors": want}
+    assert judge.best is None  # a candidate that loses a turn end is never kept
+    assert judge(20, torch.zeros_like(dW), 1.0)["turn_ends_lost"] == {"dev": 0, "anchors": 0}
+    assert judge.best is not None and judge.best[1] == 20

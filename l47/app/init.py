@@ -77,7 +77,7 @@ THRESHOLD_MEANINGS = {
 SOLVER_MEANINGS = {
     "method": "ftpo (solve to target_residual within kl_budget; the default when none is named) | wfld (closed form); --method overrides",
     "seed": "the solve's seed",
-    "max_background": "background positions used (evenly spread)",
+    "max_background": "WFLD: background positions of its Fisher (evenly spread); FTPO uses every row (solver.ftpo.kl_rows)",
     "max_anchors_per_word": "> 0: protect at most this many collateral contexts per word; each exact anchor uses "
                             "one direction of the shared-expert width f, so keep anchors + events well below f",
     "protect_turn_ends": "real turn ends (<|im_end|> targets) of the solver's chats are exact anchors too",
@@ -132,6 +132,7 @@ FTPO_MEANINGS = {
     "lambda_ridge": "ridge on ‖ΔW‖² / ‖W‖²",
     "tether_topk": "top-K base tokens of the conditional tether and the log-odds",
     "background_batch": "background positions per step (rotating; the exact KL uses all)",
+    "kl_rows": "background and dev positions at most: every row of their documents up to this cap (a strided sample is what the edit fits)",
     "anchor_batch": "soft anchors per step (rotating; 0: all of them)",
     "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
     "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
