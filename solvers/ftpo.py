@@ -28,7 +28,10 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
   The "margin" objective (expert option) replaces the target hinge by the seed's preference term
   τ·softplus((Δ(ℓ_r − ℓ_c) + margin·scale_e)/τ) against chosen natural alternatives c.
 
-The step is Adam's with ε = floor × RMS over the matrix of √v̂: scale-free like Adam where the gradient is large,
+The step is Adam's with ε = floor × RMS over the matrix of √v̂, its update u = m̂/(√v̂ + ε) divided by max(1, RMS(u))
+(Adafactor's update clipping, d = 1): when λ or the guard doubles, the gradient's scale jumps while v̂ (β₂ = 0.999)
+lags, and plain Adam's steps grew ~30× — measured on the demo: the exact KL went 0.001 → 0.067 in 60 steps right
+after the near-tie guard had doubled five times. Scale-free like Adam where the gradient is large,
 gradient descent where it is far below the matrix's RMS (plain Adam moves an entry whose gradient is noise by a
 full step, in directions of hh unseen contexts use: on the second model its KLD on JSON documents was 25× the
 background KL; one second moment for the whole matrix kept ΔW in the gradient's span but was too slow).
@@ -525,7 +528,8 @@ class _Adam:
                 v_hat = self.vv / (1 - 0.999 ** self.k)
                 floor = float(v_hat.double().mean().sqrt()) * cfg.floor
                 lr = cfg.lr * self.W_rms * min(1.0, self.k / max(cfg.warmup, 1))
-                self.param.sub_(lr * (self.mom / (1 - 0.9 ** self.k)) / (v_hat.sqrt() + floor + 1e-30))
+                u = (self.mom / (1 - 0.9 ** self.k)) / (v_hat.sqrt() + floor + 1e-30)
+                self.param.sub_(lr * u / max(1.0, float(u.double().pow(2).mean().sqrt())))  # update clipping
             out.append(parts)
         return out
 
