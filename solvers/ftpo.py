@@ -114,7 +114,10 @@ class FtpoProblem:
     dev: Batch | None = None  # dev events
     dev_final: torch.Tensor | None = None  # [D]
     dev_phrase: list[str] = field(default_factory=list)
-    dev_rows: Batch | None = None  # dev documents' positions away from prefix rows: exact KL and flips per candidate
+    dev_rows: Batch | None = None  # dev documents' rows but the phrases' occurrences (bar (g)'s rows): exact KL, flips
+    # and turn ends per candidate
+    dev_kl_limit: float | None = None  # bar (g)'s limit: admissible while the dev rows' mean KL is within it at 95 %
+    # confidence (its upper bound over documents); None: the dev mean within kl_budget
     special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
     im_end: int | None = None  # the turn-end token: the judge counts turn ends (dev rows, anchors) that lose its argmax
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
@@ -421,32 +424,52 @@ class _Judge:
             if pb.dev is not None:
                 p1 = np.exp(head_stats(batch_mix(pb.dev, w, W_sd=Wq), w, pb.dev_final.cpu().numpy()).logp_target)
                 dv = _phrase_residuals(self.dev_p0, p1, pb.dev_phrase)
-            kl_dev, flips, arg_dev, kl_role = self._dev_rows(Wq)
+            kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
         judge = {**tr, **dv}  # dev where a phrase has dev events, else train
         key = (_removal_score(judge, t), kl)
-        ok = (kl <= pb.kl_budget and (kl_dev is None or kl_dev <= pb.kl_budget) and not flips
-              and not ends_lost["dev"] and not ends_lost["anchors"])
+        dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
+                                    kl_dev_hi <= pb.dev_kl_limit)
+        ok = kl <= pb.kl_budget and dev_ok and not flips and not ends_lost["dev"] and not ends_lost["anchors"]
         if ok and (self.best is None or key < self.best[0]):
             self.best = (key, step, dW.clone(), kl, dv, tr)
-        return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "kl_dev_role": kl_role, "dev_flips": flips,
+        return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "kl_dev_hi": kl_dev_hi, "kl_dev_role": kl_role,
+                "dev_flips": flips,
                 "turn_ends_lost": ends_lost,
                 "lambda": lam, "train_residual": tr, "dev_residual": dv,
                 "reached": ok and all(v <= t for v in judge.values())}
 
-    def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int, torch.Tensor | None, dict]:
-        """(mean exact KL, argmax flips to a special token, the edited argmax [D], role -> mean KL) at the dev
-        documents' rows: bars (g) and (f) measured on chats of the held-out kind that the trainer never sees (None,
-        0, None, {} without dev documents)."""
+    def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int, torch.Tensor | None, dict, float | None]:
+        """(mean exact KL, argmax flips to a special token, the edited argmax [D], role -> mean KL, the mean's 95 %
+        upper bound over documents) at the dev documents' rows: bars (g) and (f) measured on chats of the held-out
+        kind that the trainer never sees (None, 0, None, {}, None without dev documents)."""
         pb, w = self.pb, self.w
         if pb.dev_rows is None:
-            return None, 0, None, {}
+            return None, 0, None, {}, None
         mix = batch_mix(pb.dev_rows, w, W_sd=Wq)  # [D, n]
         st = stream_head(torch.cat([self.mix0_dev, mix]), w.head, w.numerics, topk=1, pairs=mix.shape[0])  # one pass
         kl = float(st.kl.double().mean())
         arg = st.top_i[mix.shape[0]:, 0].to(w.device)  # [D]
         flips = int((torch.isin(arg, self.special) & ~torch.isin(self.arg0_dev, self.special)).sum())
-        return kl, flips, arg, _by_role(st.kl.double(), pb.dev_rows.role)
+        return kl, flips, arg, _by_role(st.kl.double(), pb.dev_rows.role), _ratio_upper(st.kl, pb.dev_rows.doc)
+
+
+def ratio_upper(x: np.ndarray, doc: np.ndarray, z: float = 1.645) -> float:
+    """One-sided upper bound of the row mean of x [P] over documents drawn at random (cluster ratio estimator,
+    f64): R + z·SE, R = Σx / P, SE² = D/(D−1) · Σ_d (S_d − R·n_d)² / P² (S_d, n_d: a document's sum and rows).
+    With one document, R itself."""
+    x = np.asarray(x, dtype=np.float64)
+    _, inv = np.unique(np.asarray(doc), return_inverse=True)
+    S, n = np.bincount(inv, weights=x), np.bincount(inv).astype(np.float64)  # [D]
+    R, D = float(x.mean()), len(S)
+    if D < 2:
+        return R
+    se = math.sqrt(D / (D - 1) * float(((S - R * n) ** 2).sum())) / len(x)
+    return R + z * se
+
+
+def _ratio_upper(kl: torch.Tensor, doc: tuple[str, ...]) -> float | None:
+    return ratio_upper(kl.double().cpu().numpy(), np.asarray(doc)) if len(doc) == kl.shape[0] else None
 
 
 def _by_role(x: torch.Tensor, role: torch.Tensor | None) -> dict[str, float]:

@@ -312,7 +312,7 @@ def test_ftpo_judge_dev_rows_kl_and_flips_against_full_softmax(setup):
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5, kl_budget=0.1,
                      dev_rows=bg)
     judge = _Judge(w, pb, _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long)))
-    kl, flips, _, _ = judge._dev_rows(w.W_sd + dW)
+    kl, flips, _, _, _ = judge._dev_rows(w.W_sd + dW)
     ref = _full_kl(bg, w, dW)
     assert float(ref.mean()) > 1e-3 and kl == pytest.approx(float(ref.mean()), abs=1e-6)
     want = int((torch.isin(a1, sp) & ~torch.isin(a0, sp)).sum())
@@ -397,3 +397,16 @@ def test_dev_rows_drop_only_the_occurrences_and_keep_near_misses():
     assert without_occurrence_rows(pairs, [doc], [pt], lambda s: tok) == [p for p in pairs if p[1] != 2]
     assert without_prefix_rows(pairs, [doc], [pt], lambda s: tok) == [p for p in pairs if p[1] not in (2, 6)]
     assert near_miss_rows([doc], [pt], lambda s: tok) == [("d", 6, 3)]
+
+
+def test_ratio_upper_is_the_cluster_ratio_bound():
+    """ratio_upper against a hand computation: rows 1, 3 (doc a), 2 (doc b), 10, 0, 2 (doc c): R = 18/6 = 3,
+    S − R·n = (4 − 6, 2 − 3, 12 − 9) = (−2, −1, 3), SE = √(3/2 · 14)/6, bound = 3 + 1.645·SE; one document: R."""
+    import math
+
+    from l47.solvers.ftpo import ratio_upper
+
+    x = np.array([1.0, 3.0, 2.0, 10.0, 0.0, 2.0])
+    doc = np.array(["a", "a", "b", "c", "c", "c"])
+    assert ratio_upper(x, doc) == pytest.approx(3 + 1.645 * math.sqrt(1.5 * 14) / 6, rel=1e-12)
+    assert ratio_upper(x, np.array(["a"] * 6)) == pytest.approx(3.0)
