@@ -191,3 +191,65 @@ def test_vocab_checkpoint_kv_padding_and_errors(ckpt):
     assert len(kv[names.K_TOK_TOKENS]) == 4000 and kv[names.K_TOK_TYPES][3999] == TT_UNUSED
     with pytest.raises(L47Error, match="vocab_size"):
         checkpoint_tokenizer_kv(ckpt, 100)  # the tokenizer has ids beyond the model's rows
+
+
+def test_export_hc_rank_not_q8_0_blocks_strata_policy(tmp_path):
+    """Low rank r = 24 (not a multiple of Q8_0's 32): the `[hc·n, r]` hc_* tensors have no Q8_0 form, so the
+    default export keeps them BF16 and the strata runtime policy uses them as the file holds them (BF16 -> f32),
+    while the hc_* tensors whose rows are whole blocks still get their Q8_0 runtime copy. Reference: transformers
+    on the checkpoint folder with every parameter replaced by what that rule gives, computed with gguf-py's own
+    codecs (`gguf.quants`, independent of l47's): the GGUF rebuilt under the strata policy gives the same logits
+    to 1e-5, and `l47 dump` on the GGUF (default policy strata) writes log p(next) equal to transformers' to the
+    hf zero-proxy tolerance 1e-4 nats, its own zero-proxy check passing (exit 0)."""
+    import gguf
+    from gguf import quants as gq
+
+    from l47.engine.gguf_export import _is_hc_matrix, load_hf, load_hf_from_gguf
+    from l47.model.gguf_io import open_gguf
+
+    ck = save_checkpoint(tmp_path / "ck", vocab=1200, layers=4, hidden=160, shared=96, lowrank=24, num_experts=6,
+                         seed=7)
+    out = tmp_path / "r24.gguf"
+    r = _invoke("export", ck, out)
+    assert r.exit_code == 0, r.output
+    g = open_gguf(out)
+    hc = {k: t for k, t in g.tensors.items() if _is_hc_matrix(k)}
+    assert hc and all(t.type_name == "BF16" for t in hc.values())
+    short = [k for k in hc if tuple(hc[k].shape)[-1] == 24]
+    assert names.OUTPUT_HC_UP.gguf in short and len(short) >= 4 + 1  # every layer's hc up + the mixer's
+
+    ref = load_hf(ck)
+    table = names.hf_to_gguf_map(4)
+    Q8, BF = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16
+    with torch.no_grad():
+        for hf, p in ref.state_dict().items():
+            gname, w = table[hf], p.detach().float().numpy()
+            if names.is_folded_norm(gname):
+                w = (np.float32(1) + w) - np.float32(1)  # stored 1 + w, F32
+            elif _is_hc_matrix(gname):
+                w = gq.dequantize(gq.quantize(w, BF), BF)  # the file's BF16
+                if w.shape[-1] % 32 == 0:
+                    w = gq.dequantize(gq.quantize(w, Q8), Q8)  # Strata's Q8_0 copy
+            elif g.tensors[gname].type_name == "Q8_0":  # the shexp targets, the head (n 160: not Q6_K-able)
+                w = gq.dequantize(gq.quantize(w, Q8), Q8)
+            else:
+                assert g.tensors[gname].type_name == "F32", gname
+            p.copy_(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(p.shape))
+    ids = torch.tensor([[0, 5, 77, 300, 2, 9, 1100, 42, 4, 8, 1199, 3]])
+    with torch.no_grad():
+        want = ref(ids).logits[0]  # [T, V]
+        got = load_hf_from_gguf(out, policy="strata")(ids).logits[0]
+    assert float((got - want).abs().max()) < 1e-5
+
+    doc = tmp_path / "doc.jsonl"
+    doc.write_text(json.dumps({"id": "d", "text": TEXTS[0]}) + "\n")
+    r = _invoke("dump", doc, "--model", out, "--out", tmp_path / "dumps")
+    assert r.exit_code == 0, r.output
+    from l47.dumps import read_dump
+
+    d = read_dump(next((tmp_path / "dumps").glob("*.safetensors")))
+    t = torch.tensor(np.asarray(d.tokens, dtype=np.int64))[None]
+    with torch.no_grad():
+        z = ref(t).logits[0, :-1].double()  # [T, V]
+    lp = (z.gather(1, t[0, 1:, None])[:, 0] - torch.logsumexp(z, -1)).numpy()  # [T] f64
+    assert float(np.abs(np.asarray(d.ref_logp, dtype=np.float64) - lp).max()) < 1e-4

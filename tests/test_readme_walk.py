@@ -4,13 +4,19 @@ checkpoint folder with its own tokenizer.json, documents of its own as the files
 the demo model, and model2 (docs/MODEL2.md: 3 layers, n 512, vocabulary 4,000 with the specials at ids 0-4, its
 own BPE and phrases) — a checkpoint the walk was not written for. For model2 the `init` line's `--phrase` /
 `--word` values are model2's five phrases and their final words (what a user types for their own model); every
-other word of every line is the README's.
+other word of every line is the README's. A third, "fresh": a random qwen4exp built here and saved by
+transformers itself (4 layers, n 160, hyper-connection low rank r 24 — not a multiple of Q8_0's 32-element block,
+so its `[hc·n, r]` tensors have no Q8_0 form — shared expert 96, 6 experts), with a BPE tokenizer trained here by
+`tokenizers` on the demo's documents, the chat special tokens in the MIDDLE (<|endoftext|> 700, <|im_start|>
+701) and at the END (<think> 1497, </think> 1498, <|im_end|> 1499 of V 1,500): ids neither the demo (3067-3071)
+nor model2 (0-4) uses. Its documents are the demo's, its phrases the README's.
 
 Reference: the verdicts the audit writes (report.json) and the exit codes; every command must exit 0 — export
 (its check against transformers passed), dumps (zero-proxy within 1e-4 nats for each document), sets, solve —
 and the two audits, whose exit code must be their report's verdict (1 exactly when a bar failed): at the walk's
 reduced size (32 demo prompts, 12 model2 prompts) the per-phrase bars have too few events to pass
-(docs/DEMO.md), so the walk checks that every step runs as written and that the verdicts are honest."""
+(docs/DEMO.md), and the random model has no slop to remove at all, so the walk checks that every step runs as
+written and that the verdicts are honest."""
 
 from __future__ import annotations
 
@@ -35,15 +41,43 @@ M2 = ROOT / "l47" / "testing" / "model2"
 
 @dataclass(frozen=True)
 class WalkModel:
-    """A checkpoint the walk runs on: its GGUF (saved as a transformers folder), its documents (file the walk
-    says to fill -> (its documents, which of them)), and the phrases / final words a user names for it (None:
-    the README's own)."""
+    """A checkpoint the walk runs on: its GGUF (saved as a transformers folder) or None (built by `fresh_checkpoint`),
+    its documents (file the walk says to fill -> (its documents, which of them)), and the phrases / final words a
+    user names for it (None: the README's own)."""
 
-    gguf: Path
+    gguf: Path | None
     data: Path
     fill: dict
     phrases: tuple[str, ...] | None = None
     words: tuple[str, ...] | None = None
+
+
+FRESH_V = 1500
+FRESH_SPECIALS = {"<|endoftext|>": 700, "<|im_start|>": 701,  # the middle of the vocabulary
+                  "<think>": FRESH_V - 3, "</think>": FRESH_V - 2, "<|im_end|>": FRESH_V - 1}  # its end
+FRESH_DIMS = dict(layers=4, hidden=160, lowrank=24, shared=96, num_experts=6)
+
+
+def _document_texts(data: Path) -> list[str]:
+    """Every text and message content of a folder's JSONL documents (what the fresh tokenizer is trained on)."""
+    out = []
+    for f in sorted(data.glob("*.jsonl")):
+        for ln in f.read_text(encoding="utf-8").splitlines():
+            if ln.strip():
+                d = json.loads(ln)
+                out.append(d.get("text") or "\n".join(m["content"] for m in d.get("messages", [])))
+    return out
+
+
+def fresh_checkpoint(folder: Path) -> Path:
+    """A random qwen4exp checkpoint folder nobody has seen (FRESH_DIMS, FRESH_SPECIALS), built with the tests'
+    one checkpoint writer (tests/tiny_ckpt.py): transformers' save_pretrained + the tokenizer's own JSON."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_ckpt import save_checkpoint, train_tokenizer
+
+    tk = train_tokenizer(pre="qwen35", vocab_size=FRESH_V, texts=_document_texts(DATA), special_ids=FRESH_SPECIALS)
+    assert tk.get_vocab_size() == FRESH_V
+    return save_checkpoint(folder, vocab=FRESH_V, seed=15, tokenizer=tk, **FRESH_DIMS)
 
 
 def _models() -> dict[str, WalkModel]:
@@ -72,7 +106,18 @@ def _models() -> dict[str, WalkModel]:
         "texts/kld_chat_json.jsonl": ("kld_order_json.jsonl", slice(0, 3)),  # README's set names
         "texts/kld_prose.jsonl": ("kld_recipes.jsonl", slice(0, 3)),
     }, tuple(m2.PHRASES), tuple(" " + w for w in m2.FINALS))
-    return {"demo": demo, "model2": model2}
+    fresh = WalkModel(None, DATA, {  # the demo's documents, fewer: a random model writes every turn to its cap
+        "prompts/chats.jsonl": ("prompts.jsonl", slice(0, 8)),
+        "texts/collateral_anchor.jsonl": ("collateral.jsonl", slice(0, 24, 2)),
+        "texts/collateral_eval.jsonl": ("collateral.jsonl", slice(1, 24, 2)),
+        "texts/background.jsonl": ("background.jsonl", slice(0, None, 3)),
+        "prompts/chat_heldout.jsonl": ("heldback_chat_prompts.jsonl", slice(0, 2)),
+        "prompts/blind.jsonl": ("heldback_blind_prompts.jsonl", slice(0, 1)),
+        "texts/kld_ops_tools.jsonl": ("kld_ops_tools.jsonl", slice(0, 3)),
+        "texts/kld_chat_json.jsonl": ("kld_chat_json.jsonl", slice(0, 3)),
+        "texts/kld_prose.jsonl": ("kld_prose.jsonl", slice(0, 3)),
+    })
+    return {"demo": demo, "model2": model2, "fresh": fresh}
 
 
 MODELS = _models()
@@ -96,6 +141,8 @@ def _checkpoint(m: WalkModel, folder: Path) -> Path:
     """The model as a transformers checkpoint folder: its weights as the file holds them, its tokenizer."""
     from l47.engine.gguf_export import load_hf_from_gguf
 
+    if m.gguf is None:
+        return fresh_checkpoint(folder)
     load_hf_from_gguf(m.gguf, policy="exact").save_pretrained(folder)
     shutil.copy(m.data / "tokenizer.json", folder / "tokenizer.json")
     return folder
@@ -138,6 +185,7 @@ def test_readme_walk_runs_as_documented(model, tmp_path, monkeypatch):
     runner = CliRunner()
     filled = False
     verdicts: list[bool] = []
+    nothing_to_remove = False  # sets found no event at all (a random model never writes a banned phrase)
     for words in cmds:
         if words[0] == "cd":
             monkeypatch.chdir(Path.cwd() / words[1])
@@ -152,6 +200,18 @@ def test_readme_walk_runs_as_documented(model, tmp_path, monkeypatch):
         r = runner.invoke(app, args)
         assert r.exception is None or isinstance(r.exception, SystemExit), \
             f"{' '.join(words)} -> traceback\n{r.output[-3000:]}"  # an exit code, never an uncaught error
+        if words[1] == "sets" and r.exit_code == 0:
+            nothing_to_remove = not json.loads(Path("sets.json").read_text())["events"]
+        if nothing_to_remove and words[1] in ("plan", "solve", "audit"):
+            # no event to train on: plan and solve refuse their input (exit 2, one line naming the file and the
+            # train events), solve writes no bundle, so each audit refuses the missing bundle.gguf (exit 2)
+            flat = " ".join(r.output.split())
+            assert r.exit_code == 2 and len(r.output.strip().splitlines()) <= 3, r.output[-3000:]
+            want = ("bundle.gguf",) if words[1] == "audit" else ("experiment.toml", "train events", "found none")
+            assert all(w in flat for w in want), (want, flat)
+            assert not Path("bundle.gguf").exists()
+            verdicts.append(None)
+            continue
         if words[1] == "audit":  # a verdict is the model's, not the walk's: the exit code must be the report's
             rj = Path(args[args.index("--out") + 1]) / "report.json"
             assert rj.is_file(), f"{' '.join(words)} -> exit {r.exit_code}, no report\n{r.output[-3000:]}"
@@ -165,4 +225,7 @@ def test_readme_walk_runs_as_documented(model, tmp_path, monkeypatch):
             assert r.exit_code in (0, 1) and "plan: target residual" in r.output, r.output[-3000:]
             continue
         assert r.exit_code == 0, f"{' '.join(words)} -> exit {r.exit_code}\n{r.output[-3000:]}"
-    assert len(verdicts) == 2  # the dev audit and the blind sign-off both wrote their reports
+    if nothing_to_remove:  # only the random checkpoint may have nothing to remove
+        assert model == "fresh" and verdicts == [None] * 4  # plan, solve and both audits refused, exit 2
+    else:
+        assert len(verdicts) == 2  # the dev audit and the blind sign-off both wrote their reports

@@ -21,8 +21,10 @@ def f(x): return x * 2 + 1  # a comment; print("hello, world!") {"name": "search
 """
 
 
-def train_tokenizer(specials=SPECIALS, pre: str = "qwen2", vocab_size: int = 700, byte_level_regex: bool = False):
-    """tokenizers BPE trained on CORPUS; `specials` first (ids 0..len-1); Qwen Split regex + ByteLevel, or GPT-2's
+def train_tokenizer(specials=SPECIALS, pre: str = "qwen2", vocab_size: int = 700, byte_level_regex: bool = False,
+                    texts=None, special_ids: dict[str, int] | None = None):
+    """tokenizers BPE trained on `texts` (default CORPUS); `specials` first (ids 0..len-1), or at `special_ids`
+    ({token: id}, anywhere in the vocabulary: `place_specials`); Qwen Split regex + ByteLevel, or GPT-2's
     ByteLevel(use_regex=True) alone when byte_level_regex (a pre-tokenizer l47 cannot detect)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -34,8 +36,29 @@ def train_tokenizer(specials=SPECIALS, pre: str = "qwen2", vocab_size: int = 700
     tk.decoder = decoders.ByteLevel()
     tr = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator([CORPUS] * 8, tr)
-    return tk
+    tk.train_from_iterator(list(texts) if texts is not None else [CORPUS] * 8, tr)
+    return place_specials(tk, special_ids) if special_ids else tk
+
+
+def place_specials(tk, special_ids: dict[str, int]):
+    """The same tokenizer with its added special tokens moved to the ids `special_ids` gives; every other token
+    keeps its order and fills the remaining ids (the BPE merges name tokens by string, so they stay valid)."""
+    from tokenizers import Tokenizer
+
+    d = json.loads(tk.to_str())
+    added = {a["content"]: a for a in d["added_tokens"]}
+    assert set(special_ids) <= set(added), sorted(set(special_ids) - set(added))
+    size = tk.get_vocab_size()
+    assert sorted(special_ids.values()) == sorted(set(special_ids.values())) and max(special_ids.values()) < size
+    old = sorted(tk.get_vocab().items(), key=lambda kv: kv[1])  # [(token, id)] by id
+    rest = iter(i for i in range(size) if i not in set(special_ids.values()))
+    new = {t: special_ids[t] if t in special_ids else next(rest) for t, _ in old}  # token -> new id
+    d["model"]["vocab"] = {t: i for t, i in new.items() if t in d["model"]["vocab"]}
+    for a in d["added_tokens"]:
+        a["id"] = new[a["content"]]
+    out = Tokenizer.from_str(json.dumps(d))
+    assert all(out.token_to_id(t) == i for t, i in special_ids.items())
+    return out
 
 
 def save_checkpoint(path: Path, *, vocab: int = 4000, seed: int = 0, tokenizer=None, **kw) -> Path:

@@ -6,8 +6,10 @@ Notation used for tensor shapes:
     V   vocabulary (248,320)
 
 Runtime weight policies (DESIGN §1 "Runtime weights, not file weights"):
-    strata  BF16 `hc_*` / `output_hc_*` tensors go BF16 -> Q8_0 -> f32 (Strata reads Q8_0 copies of them);
-            norms stay F32 as stored; every other tensor through its own dequantiser.
+    strata  BF16 `hc_*` / `output_hc_*` tensors go BF16 -> Q8_0 -> f32 (Strata reads Q8_0 copies of them)
+            where their rows are whole Q8_0 blocks (a multiple of 32; the real model's are), BF16 -> f32 where
+            they are not (no Q8_0 form exists: `has_q8_0_copy`); norms stay F32 as stored; every other tensor
+            through its own dequantiser.
     exact   every tensor through its own dequantiser, file values as they are.
 All dequantised values are f32; dequantisation itself is exact in f32 for Q8_0/Q6_K/BF16/F16.
 """
@@ -84,6 +86,16 @@ class TailWeights:
         return self.head.device
 
 
+_Q8_0_BLOCK = 32  # elements per Q8_0 block (ggml QK8_0)
+
+
+def has_q8_0_copy(shape: tuple[int, ...]) -> bool:
+    """Whether the engine makes a Q8_0 runtime copy of a BF16 `hc_*` tensor of this LOGICAL shape: only when its
+    rows are whole Q8_0 blocks (ggml quantises a row in blocks of 32). A tensor whose rows are not (e.g. a
+    `[hc·n, r]` up projection with r = 24) has no Q8_0 form and is used as the file holds it, BF16 -> f32."""
+    return len(shape) > 0 and shape[-1] % _Q8_0_BLOCK == 0
+
+
 def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
     """f32 value of tensor `name` as the engine uses it under `policy` (shape = logical GGUF shape)."""
     if policy not in POLICIES:
@@ -93,11 +105,9 @@ def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
     info = g.info(name)
     w = g.tensor(name, device=device)  # f32, its own dequant
     is_hc = name.startswith("output_hc_") or ".hc_" in name
-    if policy == "strata" and info.ggml_type == _BF16 and is_hc and not names.is_folded_norm(name):
+    if policy == "strata" and info.ggml_type == _BF16 and is_hc and not names.is_folded_norm(name) \
+            and has_q8_0_copy(tuple(w.shape)):
         # BF16 -> Q8_0 -> f32, as Strata's q8off_ copies (seed §3.1)
-        if w.shape[-1] % 32:
-            raise L47Error(g.path, f"tensor {name}", "row length a multiple of 32 for the Q8_0 runtime copy",
-                           f"shape {tuple(w.shape)}")
         w = quants.dequantize(quants.quantize(w.reshape(-1, w.shape[-1]), _Q8_0, name), _Q8_0, tuple(w.shape),
                               name, device=device)
     return w
