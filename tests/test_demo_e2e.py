@@ -176,3 +176,22 @@ def test_planted_failures_on_the_demo(demo, tmp_path):
     check_all(plants, run, tmp_path / "audits")
     blind = _bars(_rep(out / "audit-blind" / "report.json"))["proxy.own_generation"]
     assert blind["passed"] and blind["value"] == 0.0  # the demo's real generation: every token its sampler's
+
+
+@pytest.mark.parametrize("solver, label", [("", "3. solve (FTPO)"), ('\n[solver]\nmethod = "wfld"\n', "3. solve (WFLD)")])
+def test_demo_solve_step_is_labelled_with_the_method_it_runs(tmp_path, monkeypatch, solver, label):
+    """The step's title names the method the solve resolves from the demo's experiment (no [solver] table: the
+    solver's default, FTPO), not a fixed name; the solve itself is stubbed out."""
+    import io
+
+    from l47.app import demo as D
+    from l47.app import solve_report
+
+    seen = []
+    monkeypatch.setattr(solve_report, "solve_and_print", lambda args, console: seen.append(args.method))
+    exp = tmp_path / "experiment.toml"
+    exp.write_text('name = "x"\n' + solver)
+    buf = io.StringIO()
+    run = D._DemoRun(None, Console(file=buf, width=80), tmp_path, tmp_path / "m.gguf", type("L", (), {"path": None}))
+    D._solve(run, exp, tmp_path / "sets.json")
+    assert label in buf.getvalue() and seen == [None]  # the experiment file decides the method, not the demo

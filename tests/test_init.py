@@ -19,7 +19,7 @@ from l47.app.cli import app
 from l47.app.init import InitArgs, render_experiment, schema, schema_markdown
 from l47.data import experiment as E
 from l47.solvers.ftpo import FtpoConfig
-from l47.solvers.solve import COMMON_KEYS, resolve_config
+from l47.solvers.solve import COMMON_KEYS, DEFAULT_METHOD, resolve_config
 from l47.solvers.wfld import WfldConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def _written(tmp_path, **kw):
 def test_every_commented_default_parses_to_that_default(tmp_path):
     text = _written(tmp_path)
     d = tomllib.loads(text)
-    assert d["solver"]["method"] == "wfld" and d["collateral"]["words"] == [" than"]
+    assert d["solver"]["method"] == "ftpo" and d["collateral"]["words"] == [" than"]
     # uncomment every "# key = value" line: the parsers accept each and the values are the defaults
     full = re.sub(r"^# (\w+ = )", r"\1", text, flags=re.M)
     full = re.sub(r"^(train|dev|heldout) = \[\].*$", "", full, flags=re.M)  # explicit lists conflict with [split]
@@ -64,7 +64,7 @@ def test_every_commented_default_parses_to_that_default(tmp_path):
     assert exp.thresholds == E.Thresholds() and exp.vocab == "auto" and exp.policy == "strata"
     assert exp.split.fractions == E.DEFAULT_FRACTIONS and exp.split.seed == 0
     cfg = resolve_config(exp.solver, None, str(exp_path))
-    assert cfg.method == "wfld"
+    assert cfg.method == "ftpo" == DEFAULT_METHOD
     assert {f.name: getattr(cfg.wfld, f.name) for f in fields(WfldConfig)} == \
         {f.name: (list(f.default) if isinstance(f.default, tuple) else f.default) for f in fields(WfldConfig)}
     assert cfg.ftpo == FtpoConfig()
@@ -133,3 +133,16 @@ def test_init_set_makes_keys_active_and_refuses_unknown(tmp_path):
         r = CliRunner().invoke(app, ["init", str(tmp_path / "e2"), "--model", str(model), "--phrase", "a b",
                                      "--set", bad])
         assert r.exit_code == 2 and field in r.output and not (tmp_path / "e2").exists(), r.output
+
+
+def test_init_writes_the_solvers_default_method(tmp_path):
+    """`l47 init` without --method writes `method = "ftpo"` active: the solver's own default, the same one
+    `l47 solve` uses when the file names none (one default, not two)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert InitArgs(tmp_path / "x", model, ("a b",)).method == DEFAULT_METHOD == "ftpo"
+    r = CliRunner().invoke(app, ["init", str(tmp_path / "exp"), "--model", str(model), "--phrase", "rather than"])
+    assert r.exit_code == 0, r.output
+    d = tomllib.loads((tmp_path / "exp" / "experiment.toml").read_text())
+    assert d["solver"]["method"] == "ftpo"
+    assert resolve_config(d["solver"], None, "experiment.toml").method == "ftpo"

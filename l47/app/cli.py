@@ -139,7 +139,7 @@ def init(
     word: list[str] = typer.Option([], "--word", help="a collateral word, one token, e.g. ' than' (repeat)"),
     kld: list[str] = typer.Option(["prose"], "--kld", help="a KLD domain name (repeat)"),
     name: Optional[str] = typer.Option(None, help="experiment name (default: the folder's name)"),
-    method: str = typer.Option("wfld", help="wfld | ftpo"),
+    method: str = typer.Option("ftpo", help="ftpo (the solver's default) | wfld"),
     setting: list[str] = typer.Option([], "--set", help="table.key=value, e.g. solver.wfld.p_cap=0.35 (repeat)"),
 ):
     """A new experiment folder: commented experiment.toml (every key, default, meaning), prompts/, texts/,

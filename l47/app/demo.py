@@ -1,7 +1,7 @@
 """`l47 demo`: the whole workflow on the shipped demo model (a small qwen4exp that learned the slop phrases).
 
     dump (hf engine: the model's own generations + held-out chat, collateral, background, KLD, blind documents)
-      -> sets -> solve (WFLD) -> audit (must PASS)
+      -> sets -> solve (the solver's default, FTPO: the demo's experiment names no method) -> audit (must PASS)
       -> a negative control through the same audit (must FAIL): a bundle that suppresses a final word everywhere,
          with a solve record that touched non-prefix positions (the seed's v3 "mined" failure, seed §5)
 
@@ -351,11 +351,15 @@ def _sets(run: _DemoRun, exp: Path):
 
 
 def _solve(run: _DemoRun, exp: Path, sets_json: Path) -> Path:
-    """Step 3: WFLD -> bundle.gguf and its solve record."""
-    from l47.app.solve_report import solve_and_print
-    from l47.solvers.solve import SolveArgs
+    """Step 3: the experiment's solver (the default, FTPO, unless its [solver] table names one) -> bundle.gguf and
+    its solve record. The step's label is the method the solve resolves, never a fixed name."""
+    import tomllib
 
-    run.console.rule("[bold]3. solve (WFLD)")
+    from l47.app.solve_report import solve_and_print
+    from l47.solvers.solve import SolveArgs, resolve_config
+
+    method = resolve_config(tomllib.loads(exp.read_text(encoding="utf-8")).get("solver", {}), None, str(exp)).method
+    run.console.rule(f"[bold]3. solve ({method.upper()})")
     bundle = run.out / "bundle.gguf"
     solve_and_print(SolveArgs(exp, None, bundle, ledger=run.ledger.path, sets_json=sets_json), run.console)
     return bundle

@@ -160,7 +160,7 @@ def schema() -> list[Key]:
     """Every key of the experiment file, defaults from the parsers' dataclasses."""
     from l47.data import experiment as E
     from l47.solvers.ftpo import FtpoConfig
-    from l47.solvers.solve import SolveConfig
+    from l47.solvers.solve import DEFAULT_METHOD, SolveConfig
     from l47.solvers.wfld import WfldConfig
 
     keys = [
@@ -183,7 +183,7 @@ def schema() -> list[Key]:
     th = _fields(E.Thresholds)
     keys += [Key("thresholds", k, _typename(v), v, THRESHOLD_MEANINGS.get(k, "")) for k, v in th.items()]
     sc = _fields(SolveConfig)
-    sc["method"] = "wfld"
+    sc["method"] = DEFAULT_METHOD  # the solver's own default (l47.solvers.solve), written active by init
     for k in E_SOLVER_KEYS():
         if k in ("wfld", "ftpo"):
             keys.append(Key("solver", k, "table", None, SOLVER_MEANINGS.get(k, "")))
@@ -230,7 +230,7 @@ class InitArgs:
     words: tuple[str, ...] = ()
     kld: tuple[str, ...] = ("prose",)
     name: str | None = None
-    method: str = "wfld"
+    method: str = "ftpo"  # l47.solvers.solve.DEFAULT_METHOD (tests/test_init.py checks they agree)
     settings: tuple[str, ...] = ()  # "table.key=value" (TOML value), e.g. "solver.wfld.p_cap=0.35"
 
 
