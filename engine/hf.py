@@ -349,13 +349,21 @@ def _filter_logits(z: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
     z = z / s.temperature  # [B, V]
     V = z.shape[-1]
     m = V  # entries that can still be kept
+    cand = None  # [B, m] ids of the kept entries, when every row keeps exactly top_k (no tie at the cut)
     if 0 < s.top_k < V:
-        kth = torch.topk(z, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
-        z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
-        m = int(torch.isfinite(z).sum(-1).max())  # [B] -> max finite per row, >= top_k
+        top = torch.topk(z, s.top_k, dim=-1)  # values [B, k] descending, indices [B, k]
+        kth = top.values[..., -1:]  # [B, 1]
+        kept = ((z >= kth) & (z > -torch.inf) & (z < torch.inf)).sum(-1)  # [B] finite entries the cut keeps
+        m = int(kept.max())  # >= top_k
+        if int(kept.min()) == m == s.top_k:  # every row keeps exactly its topk entries: z's other entries
+            cand = top.indices  # are not read below (top-p gathers the candidates' values only)
+        else:
+            z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
     if s.top_p < 1.0:
         if m < V:
-            ids = torch.sort(torch.topk(z, m, dim=-1).indices, dim=-1).values  # [B, m] candidates, by id
+            if cand is None:  # ties at the k-th value: m > k entries kept in some row (z cut above)
+                cand = torch.topk(z, m, dim=-1).indices
+            ids = torch.sort(cand, dim=-1).values  # [B, m] candidates, by id
             head = torch.gather(ids, -1, torch.argsort(torch.gather(z, -1, ids), dim=-1, descending=True,
                                                        stable=True))  # [B, m] by value, ties by lower id
         else:
@@ -365,6 +373,8 @@ def _filter_logits(z: torch.Tensor, s: SamplerSettings) -> torch.Tensor:
         p = torch.softmax(zs, -1)  # [B, V] f64
         keep = ((torch.cumsum(p, -1) - p) < s.top_p)[..., :head.shape[-1]]  # [B, m] smallest prefix ≥ top_p
         z = torch.full_like(z, -torch.inf).scatter_(-1, head, torch.where(keep, zh, torch.full_like(zh, -torch.inf)))
+    elif cand is not None:  # top-k alone: the cut row
+        z = torch.where(z < kth, torch.full_like(z, -torch.inf), z)
     return z
 
 
@@ -386,8 +396,51 @@ def sample_rows(z: torch.Tensor, settings, gens) -> list[int]:
             continue
         p = torch.softmax(_filter_logits(zr, s), -1)  # [b, V] f64
         for j, b in enumerate(rows):
-            out[b] = int(torch.multinomial(p[j], 1, generator=gens[b]))
+            out[b] = draw(p[j], gens[b])
     return out
+
+
+_DRAW_LOOP_MAX = 512  # candidates beyond which `draw` leaves the row to torch.multinomial itself
+
+
+def draw_from_uniform(p: torch.Tensor, u: torch.Tensor, cand: torch.Tensor | None = None) -> int:
+    """argmax_i p_i / q_i with q_i = −log1p(−u_i): torch.multinomial's draw (n_samples = 1, CPU) from its uniform
+    variates u [V] f64 (the exponential variates it makes are q). Only entries with p_i > 0 can win (p_i / q_i >
+    0; the others give 0), so q is computed there only (`cand`: their ids, ascending; None = found here), each
+    with the C library's scalar log1p as torch's CPU exponential kernel computes it, and divided in f64; ties go
+    to the lowest id (torch.argmax's first maximum). A u_i of exactly 0 (probability 2^-53 per entry) makes q_i = 0
+    and p_i / q_i NaN or inf: then every q is computed and torch.argmax decides, as in torch."""
+    import math
+
+    c = torch.nonzero(p, as_tuple=False).flatten() if cand is None else cand  # [m] int64
+    if not c.numel() or float(u.min()) == 0.0:
+        q = torch.tensor([-math.log1p(-x) for x in u.tolist()], dtype=torch.float64)  # [V]
+        return int(torch.argmax(p / q))
+    best, arg = -1.0, 0
+    for i, pi, ui in zip(c.tolist(), p.index_select(0, c).tolist(), u.index_select(0, c).tolist()):
+        r = pi / (-math.log1p(-ui))  # f64, as at::div of the two f64 tensors
+        if r > best:  # strict: the first maximum wins
+            best, arg = r, i
+    return arg
+
+
+def draw(p: torch.Tensor, gen: torch.Generator) -> int:
+    """`int(torch.multinomial(p, 1, generator=gen))` for one row of probabilities p [V] f64 on the CPU: the same
+    id and the same generator state after (tests/test_generate_batch.py compares both over many rows and seeds).
+    torch draws V exponential variates for it (−log1p(−u) of V uniforms, one 64-bit number each from `gen`);
+    here the V uniforms are drawn (the same numbers, ~4× cheaper than the exponentials) and the exponential is
+    taken only where p > 0 — after top-k / top-p, a few dozen entries of V (`draw_from_uniform`). Rows with more
+    candidates than _DRAW_LOOP_MAX, and rows torch.multinomial refuses (its error), go to torch.multinomial."""
+    import math
+
+    if p.dtype != torch.float64 or p.ndim != 1 or p.device.type != "cpu":
+        return int(torch.multinomial(p, 1, generator=gen))
+    c = torch.nonzero(p, as_tuple=False).flatten()  # [m] ids with p != 0, ascending
+    total = float(p.sum())  # NaN / inf entries make it non-finite
+    if c.numel() > _DRAW_LOOP_MAX or not (math.isfinite(total) and total > 0) or float(p.min()) < 0:
+        return int(torch.multinomial(p, 1, generator=gen))
+    u = torch.empty_like(p).uniform_(generator=gen)  # [V] f64: the variates torch's exponential_ transforms
+    return draw_from_uniform(p, u, c)
 
 
 def sample_next(z: torch.Tensor, s: SamplerSettings, gen: torch.Generator) -> int:

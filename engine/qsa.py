@@ -30,11 +30,12 @@ import torch
 
 
 def _nested(vis: torch.Tensor) -> bool:
-    """Whether each query's visible tokens [S, kv] are the first c_q of the last query's (a causal mask)."""
-    last = vis[-1]  # [kv]
-    rank = torch.cumsum(last.to(torch.int64), 0)  # [kv] 1-based rank among the last query's tokens
-    counts = vis.sum(-1, dtype=torch.int64)  # [S]
-    return bool(torch.equal(last[None, :] & (rank[None, :] <= counts[:, None]), vis))
+    """Whether, in every batch row of vis [B, S, kv], each query's visible tokens are the first c_q of the row's
+    last query's (a causal mask). One batched test for all rows (row-wise ops only)."""
+    last = vis[:, -1:]  # [B, 1, kv]
+    rank = torch.cumsum(last.to(torch.int64), -1)  # [B, 1, kv] 1-based rank among the last query's tokens
+    counts = vis.sum(-1, dtype=torch.int64, keepdim=True)  # [B, S, 1]
+    return bool(torch.equal(last & (rank <= counts), vis))
 
 
 def _block_keys(ix, raw_keys: torch.Tensor, blocks: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -48,38 +49,37 @@ def _block_keys(ix, raw_keys: torch.Tensor, blocks: torch.Tensor, cos: torch.Ten
                                 sin=sin.index_select(0, starts)).squeeze(1)  # [nb, d]
 
 
-def _row_mask(ix, q_b: torch.Tensor, vis: torch.Tensor, raw_b: torch.Tensor, cos_b, sin_b) -> torch.Tensor:
-    """Selection mask [S, kv] of one batch row: q_b [S, heads, d], vis [S, kv] (nested), raw_b [kv, d]."""
+def _score_rows(ix, out_b: torch.Tensor, q_b: torch.Tensor, vis: torch.Tensor, counts: list[int], need: list[int],
+                raw_b: torch.Tensor, cos_b, sin_b) -> None:
+    """Rows `need` of one batch row's selection mask out_b [S, kv] (a copy of vis, nested), in place: the top
+    block_topk blocks by score + the incomplete tail block. q_b [S, heads, d], raw_b [kv, d].
+
+    Per query the same float work as transformers: matmul(q [heads, d] f32, K^T [d, n] f32) with K^T a view of
+    the f32 block keys transposed (for the first n blocks the same shape and strides, (1, d), as transformers'
+    `keys[:n].float().transpose(-1, -2)`), relu, sum over heads, / sqrt(d), topk over the [n] scores."""
     ratio, topk = ix.compress_ratio, ix.block_topk
-    counts = vis.sum(-1).tolist()  # [S] visible tokens per query
-    need = [s for s, c in enumerate(counts) if c // ratio > topk]  # queries whose selection needs scores
-    if not need:
-        return vis.clone()
-    out = vis.clone()
     last = torch.nonzero(vis[-1], as_tuple=False).flatten()  # [c_last] visible token ids, ascending
     nb = max(counts[s] for s in need) // ratio
     blocks = last[: nb * ratio].view(nb, ratio)  # [nb, ratio]
-    keys = _block_keys(ix, raw_b, blocks, cos_b, sin_b)  # [nb, d]
+    keys_t = _block_keys(ix, raw_b, blocks, cos_b, sin_b).float().transpose(-1, -2)  # [d, nb] f32, strides (1, d)
     scale = math.sqrt(ix.index_head_dim)
     for s in need:
         n = counts[s] // ratio
-        scores = torch.matmul(q_b[s].float(), keys[:n].float().transpose(-1, -2)).transpose(-1, -2)  # [n, heads]
-        scores = torch.relu(scores).sum(dim=-1) / scale  # [n]
-        chosen = blocks[:n].index_select(0, scores.topk(min(topk, n), dim=0).indices).flatten()
-        row = torch.zeros_like(vis[s])
-        row[chosen] = True
-        row[last[n * ratio: counts[s]]] = True  # the incomplete tail block
-        out[s] = row
-    return out
+        scores = torch.relu(torch.matmul(q_b[s].float(), keys_t[:, :n]).transpose(-1, -2)).sum(dim=-1) / scale  # [n]
+        row = out_b[s]
+        row[: last[n * ratio - 1] + 1] = False  # the complete blocks' tokens (ascending ids); the tail stays True
+        row[blocks[:n].index_select(0, scores.topk(min(topk, n), dim=0).indices).flatten()] = True
 
 
 def shared_forward(ix, hidden_states, position_embeddings, attention_mask, cache=None, **kw):
     """`Qwen4ExpTextQSAIndexer.forward` with the key blocks pooled once per row (module docstring). Falls back to
-    transformers' own forward for a mask whose visible sets are not nested."""
+    transformers' own forward for a mask whose visible sets are not nested. A query whose complete blocks number
+    at most block_topk selects everything it sees (its row of the mask is the visible row), so when no query of
+    the batch needs scores the mask is the visible mask itself, with no per-row work."""
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer, apply_rotary_pos_emb
 
     visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0  # [B, 1, S, kv]
-    if kw or not all(_nested(visible[b, 0]) for b in range(visible.shape[0])):
+    if kw or not _nested(visible[:, 0]):
         return Qwen4ExpTextQSAIndexer.forward(ix, hidden_states, position_embeddings, attention_mask, cache, **kw)
     B, S, _ = hidden_states.shape
     d = ix.index_head_dim
@@ -90,8 +90,15 @@ def shared_forward(ix, hidden_states, position_embeddings, attention_mask, cache
     q = apply_rotary_pos_emb(ix.q_layernorm(q), cos=full_cos[:, -S:, :], sin=full_sin[:, -S:, :], unsqueeze_dim=2)
     if cache is not None:
         raw_keys = cache.update_indexer(raw_keys, ix.layer_idx)  # [B, kv, d]
-    rows = [_row_mask(ix, q[b], visible[b, 0], raw_keys[b], full_cos[b], full_sin[b]) for b in range(B)]
-    return torch.stack(rows).unsqueeze(1)  # [B, 1, S, kv] bool
+    out = visible.clone()  # [B, 1, S, kv] bool: every query that needs no score selects what it sees
+    counts = visible[:, 0].sum(-1)  # [B, S] visible tokens per query
+    if not bool((counts // ix.compress_ratio > ix.block_topk).any()):
+        return out
+    for b, cb in enumerate(counts.tolist()):
+        need = [s for s, c in enumerate(cb) if c // ix.compress_ratio > ix.block_topk]
+        if need:
+            _score_rows(ix, out[b, 0], q[b], visible[b, 0], cb, need, raw_keys[b], full_cos[b], full_sin[b])
+    return out
 
 
 def share_indexer_work(model) -> int:

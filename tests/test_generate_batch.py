@@ -112,3 +112,44 @@ def test_sample_rows_mixed_samplers():
     many = eng.sample_rows(z, rows, [torch.Generator().manual_seed(b) for b in range(6)])
     alone = [eng.sample_next(z[b], rows[b], torch.Generator().manual_seed(b)) for b in range(6)]
     assert many == alone and many[1] == int(torch.argmax(z[1]))
+
+
+def test_draw_is_torch_multinomial():
+    """`eng.draw` against torch.multinomial(p, 1) itself (the reference): the same id and the same generator state
+    after, over 600 rows and seeds — top-k / top-p cut rows of V 50 to 248,320 (the real vocabulary), full rows
+    (every entry a candidate: torch.multinomial's own path), ties between candidates, a one-candidate row."""
+    import torch
+
+    from l47.engine.hf import SamplerSettings, _filter_logits
+
+    g = torch.Generator().manual_seed(11)
+    cases = 0
+    for i in range(600):
+        V = (50, 1500, 3072, 4000, 248_320)[i % 5] if i % 40 else 248_320
+        z = torch.randn(1, V, generator=g, dtype=torch.float64) * (1 + i % 6)
+        if i % 7 == 3:
+            z[0, 5:9] = z.max()  # tied candidates: the first maximum of p / q must win, as in torch
+        if i % 11 == 0:
+            z[0, 1:] = -torch.inf  # one candidate
+        s = SamplerSettings(1, 0, 0.7, (0.9, 1.0, 0.5)[i % 3], (40, 0, 20, 1)[i % 4])
+        p = torch.softmax(_filter_logits(z, s), -1)[0]  # [V] f64
+        a, b = torch.Generator().manual_seed(1000 + i), torch.Generator().manual_seed(1000 + i)
+        for _ in range(2):  # two draws in a row: the states after the first must agree too
+            assert eng.draw(p, a) == int(torch.multinomial(p, 1, generator=b)), (i, V, s)
+        assert torch.equal(a.get_state(), b.get_state()), i
+        cases += 1
+    assert cases == 600
+
+
+def test_draw_from_uniform_zero_variate_as_torch():
+    """A uniform variate of exactly 0 gives q = 0: at an entry with p = 0 torch's p / q is NaN and torch.argmax
+    returns it (NaN is its maximum); at a candidate p / 0 = inf wins. draw_from_uniform then computes every q."""
+    import torch
+
+    p = torch.tensor([0.0, 0.5, 0.0, 0.5], dtype=torch.float64)
+    u = torch.tensor([0.3, 0.2, 0.0, 0.9], dtype=torch.float64)
+    assert eng.draw_from_uniform(p, u) == 2  # the NaN entry, as torch.argmax(p / q)
+    u = torch.tensor([0.3, 0.0, 0.5, 0.9], dtype=torch.float64)
+    assert eng.draw_from_uniform(p, u) == 1  # 0.5 / 0 = inf
+    u = torch.tensor([0.3, 0.2, 0.5, 0.9], dtype=torch.float64)  # q = -log1p(-u): 0.223, 2.303 -> id 1
+    assert eng.draw_from_uniform(p, u) == 1
