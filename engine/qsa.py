@@ -49,15 +49,19 @@ def _block_keys(ix, raw_keys: torch.Tensor, blocks: torch.Tensor, cos: torch.Ten
                                 sin=sin.index_select(0, starts)).squeeze(1)  # [nb, d]
 
 
-def _score_rows(ix, out_b: torch.Tensor, q_b: torch.Tensor, vis: torch.Tensor, counts: list[int], need: list[int],
+def _score_rows(ix, out_b: torch.Tensor, q_b: torch.Tensor, vis: torch.Tensor, counts: list[int],
                 raw_b: torch.Tensor, cos_b, sin_b) -> None:
-    """Rows `need` of one batch row's selection mask out_b [S, kv] (a copy of vis, nested), in place: the top
-    block_topk blocks by score + the incomplete tail block. q_b [S, heads, d], raw_b [kv, d].
+    """The rows of one batch row's selection mask out_b [S, kv] (a copy of vis, nested) whose query needs scores
+    (more than block_topk complete blocks among its counts[s] visible tokens), in place: the top block_topk
+    blocks by score + the incomplete tail block. q_b [S, heads, d], raw_b [kv, d].
 
     Per query the same float work as transformers: matmul(q [heads, d] f32, K^T [d, n] f32) with K^T a view of
     the f32 block keys transposed (for the first n blocks the same shape and strides, (1, d), as transformers'
     `keys[:n].float().transpose(-1, -2)`), relu, sum over heads, / sqrt(d), topk over the [n] scores."""
     ratio, topk = ix.compress_ratio, ix.block_topk
+    need = [s for s, c in enumerate(counts) if c // ratio > topk]
+    if not need:
+        return
     last = torch.nonzero(vis[-1], as_tuple=False).flatten()  # [c_last] visible token ids, ascending
     nb = max(counts[s] for s in need) // ratio
     blocks = last[: nb * ratio].view(nb, ratio)  # [nb, ratio]
@@ -95,9 +99,7 @@ def shared_forward(ix, hidden_states, position_embeddings, attention_mask, cache
     if not bool((counts // ix.compress_ratio > ix.block_topk).any()):
         return out
     for b, cb in enumerate(counts.tolist()):
-        need = [s for s, c in enumerate(cb) if c // ix.compress_ratio > ix.block_topk]
-        if need:
-            _score_rows(ix, out[b, 0], q[b], visible[b, 0], cb, need, raw_keys[b], full_cos[b], full_sin[b])
+        _score_rows(ix, out[b, 0], q[b], visible[b, 0], cb, raw_keys[b], full_cos[b], full_sin[b])
     return out
 
 
