@@ -279,7 +279,7 @@ def zero_proxy(tail, dump) -> tuple[float, float]:
     from l47.model.weights import check_dump_dims
 
     check_dump_dims(tail, dump.meta, str(dump.path))
-    s = score_dump(tail, dump)
+    s = score_dump(tail, dump, topk=1)  # log p(next) only: the least top-k the streamed head keeps
     d = np.abs(s.logp_target - np.asarray(dump.ref_logp, dtype=np.float64))  # [T] f64
     return float(d.max()), float(d.mean())
 
