@@ -1,8 +1,9 @@
 """transformers' Qwen4Exp QSA indexer with its per-query work shared: the same selection mask, bit for bit.
 
 `Qwen4ExpTextQSAIndexer.forward` (transformers 5.16–5.24) loops in Python over batch rows × query positions and,
-for every query, re-pools, re-normalises and re-rotates the key blocks of everything that query sees. It was
-61 % of the hf engine's forward time on the demo (docs/BENCHMARKS.md "Dump throughput, round 3"). With a causal
+for every query, re-pools, re-normalises and re-rotates the key blocks of everything that query sees: at
+`83c86d3` that loop was most of the hf engine's generation and capture time on the demo (docs/BENCHMARKS.md "Dump
+throughput, round 2"; round 3 has the figures since). With a causal
 mask (left padding included) the tokens a query sees are a prefix of what the row's last query sees, so its key
 blocks are a prefix of the last query's blocks: they are pooled once per row here, and a query reads the first
 n of them. Per query what remains is what decides the selection, called exactly as transformers calls it:
