@@ -43,3 +43,22 @@ def test_every_command_has_a_row():
     rows = {r[0].strip("`").removeprefix("l47 ") for r in _rows("| command |")}
     assert commands and commands <= rows, sorted(commands - rows)
     assert typer.main.get_command(app).commands.keys() == commands  # what typer builds is what was read
+
+
+def test_every_function_a_command_row_names_is_in_its_file():
+    """Each `file` `function` pair of the commands table is a def (or class) of that file, read with ast: the row
+    is one hop from the code, and a renamed function cannot leave it pointing nowhere."""
+    import ast
+
+    root = DOC.parents[1]
+    pairs = 0
+    for r in _rows("| command |"):
+        for path, names in re.findall(r"`((?:l47|solvers|evals|engine|dumps)/[\w/]+\.py)` "
+                                      r"((?:`\w+(?:\(\w+\))?`(?:, | / )?)+)", r[1]):
+            tree = ast.parse((root / path).read_text(encoding="utf-8"))
+            defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            for name in re.findall(r"`(\w+)", names):
+                assert name in defs, f"{r[0]}: {path} has no def {name}"
+                pairs += 1
+    assert pairs >= 15
+    assert {"l47 export", "l47 init", "l47 plan"} <= {r[0].strip("`") for r in _rows("| command |")}
