@@ -48,6 +48,7 @@ vocabulary reductions (l47.tail.stream), f64 means of the measured figures.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from l47.data import record as rec
 from l47.model import names
 from l47.model.weights import TailWeights
-from l47.solvers.batch import Batch, EventTerms, batch_cat, batch_mix, batch_rows, event_logps
+from l47.solvers.batch import Batch, EventTerms, batch_cat, batch_mix, batch_rows, event_logps, ys_grad_mix
 from l47.tail.forward import head_stats, logits_at, logp_at, streamed_kl, streamed_lse
 from l47.tail.stream import stream_head
 
@@ -86,6 +87,9 @@ class FtpoConfig:
     lambda_special: float = 1.0
     lambda_flip: float = 1.0  # weight of the near-tie guard (bar (f)'s flips; _NearTies)
     flip_margin: float = 1.0  # nats: a special token this close to the argmax (or the turn end to a word) is guarded
+    gap_margin: float = 4.0  # nats: rows whose base top two are one special token and one word within this define
+    # the special-vs-word gap directions ΔW is kept off to first order (gap_basis; 0: off; key_rank > 0 only)
+    gap_rows: int = 2048  # ... at most this many of them (the smallest base gaps first)
     lambda_ridge: float = 0.0
     tether_topk: int = 32  # K of the conditional tether at events and near misses
     background_batch: int = 512  # background positions per step (rotating); the exact KL uses all of them
@@ -133,11 +137,12 @@ class FtpoResult:
     dev_residual: dict = field(default_factory=dict)  # phrase -> residual of the kept candidate
     train_residual: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    info: list[str] = field(default_factory=list)  # what the parameterisation kept off (gap directions)
 
     def summary(self) -> dict:
         return {"best_step": self.best_step, "stopped": self.stopped, "kl_exact": self.kl_exact,
                 "dev_residual": self.dev_residual, "train_residual": self.train_residual, "history": self.history,
-                "notes": self.notes}
+                "notes": self.notes, "info": self.info}
 
     def convergence(self, target: float) -> rec.Convergence:
         """Max violation: nats by which the worst phrase's dev (else train) residual exceeds the target."""
@@ -266,6 +271,60 @@ def _removal_score(res: dict[str, float], target: float) -> float:
     return float(np.mean([math.log(max(v, target)) for v in res.values()])) if res else 0.0
 
 
+def special_word_pairs(rows: list[Batch], w: TailWeights, special: torch.Tensor, margin: float):
+    """(Batch, ids [N, 2], gap [N]) of the rows whose base top two tokens are one special token and one not, within
+    `margin` nats (gap = base log-prob of the first − the second, f64 reduction, f32 out); (None, None, None) if none.
+    Where bar (f) counts flips (to or away from a special token). Only one top-2 pass per batch."""
+    keep_b, keep_ids, keep_gap = [], [], []
+    with torch.no_grad():
+        for b in rows:
+            mix0 = batch_mix(b, w)
+            st = head_stats(mix0, w, b.target.cpu().numpy(), topk=2)
+            top = torch.as_tensor(st.top_ids[:, :2], device=mix0.device)  # [P, 2]
+            is_sp = torch.isin(top, special.to(mix0.device))  # [P, 2]
+            gap = torch.as_tensor(st.top_logp[:, 0] - st.top_logp[:, 1], device=mix0.device)  # [P] ≥ 0
+            m = (is_sp[:, 0] != is_sp[:, 1]) & (gap < margin)
+            if m.any():
+                idx = torch.nonzero(m)[:, 0]
+                keep_b.append(batch_rows(b, idx))
+                keep_ids.append(top[idx])
+                keep_gap.append(gap[idx].float())
+    if not keep_b:
+        return None, None, None
+    return (keep_b[0] if len(keep_b) == 1 else batch_cat(keep_b)), torch.cat(keep_ids), torch.cat(keep_gap)
+
+
+def gap_jacobians(b: Batch, w: TailWeights, ids: torch.Tensor) -> torch.Tensor:
+    """J [N, n] = ∂(z_t1 − z_t2)/∂ys at ΔW = 0, ys = W·hh the shared expert's output (f32 autograd through the
+    tail; rows are independent, so one backward of the sum gives every row's gradient). ids [N, 2]."""
+    with torch.enable_grad():
+        ys, mix = ys_grad_mix(b, w, w.W_sd)
+        z = logits_at(mix, w, ids)  # [N, 2]
+        (z[:, 0] - z[:, 1]).sum().backward()
+    return ys.grad.detach()
+
+
+def gap_basis(J: torch.Tensor, k: torch.Tensor, weight: torch.Tensor, max_rank: int,
+              rel_tol: float = 1e-3) -> torch.Tensor:
+    """Orthonormal V [r, n, K] (f32) of the first-order special-vs-word gap changes: under ΔW = U·Mᵀ (U [n, K],
+    k_b = Mᵀ hh_b) row b's gap moves by J_bᵀ U k_b = ⟨G_b, U⟩, G_b = J_b k_bᵀ. V = the top right singular vectors
+    of the weighted stack [ω_b G_b] (from its Gram (ω J Jᵀ ω) ⊙ (k kᵀ) [N, N], f64: no [N, n·K] stack), the
+    singular values above rel_tol × the largest, at most max_rank. J [N, n], k [N, K], weight [N]."""
+    Jw = J.double() * weight.double()[:, None]  # [N, n]
+    Kd = k.double()  # [N, K]
+    ev, A = torch.linalg.eigh((Jw @ Jw.T) * (Kd @ Kd.T))  # ascending [N], [N, N]
+    ev, A = ev.flip(0), A.flip(1)
+    r = min(int((ev > rel_tol ** 2 * ev[0]).sum()), max_rank) if float(ev[0]) > 0 else 0
+    C = (A[:, :r] / ev[:r].sqrt()).float()  # [N, r]
+    return torch.einsum("br,bn,bk->rnk", C, Jw.float(), Kd.float())  # [r, n, K] = Σ_b C_br G_b
+
+
+def project_out(U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """U − Σ_i ⟨V_i, U⟩ V_i [n, K]: U without its part in span V (V [r, n, K] orthonormal)."""
+    Vf = V.reshape(V.shape[0], -1)  # [r, n·K]
+    return U - (Vf.T @ (Vf @ U.reshape(-1))).reshape(U.shape)
+
+
 class _NearTies:
     """Bar (f)'s flips, guarded where they can happen: the background rows and real turn ends whose base top two
     tokens are one special and one not, within `margin` nats (a special token next to the argmax, or the turn end
@@ -273,24 +332,9 @@ class _NearTies:
     a small shrink of a wide gap next to nothing. Only gathered logits: no pass over the vocabulary."""
 
     def __init__(self, rows: list[Batch], w: TailWeights, special: torch.Tensor, margin: float):
-        self.b, self.ids, self.gap0 = None, None, None
-        keep_b, keep_ids, keep_gap = [], [], []
-        with torch.no_grad():
-            for b in rows:
-                mix0 = batch_mix(b, w)
-                st = head_stats(mix0, w, b.target.cpu().numpy(), topk=2)
-                top = torch.as_tensor(st.top_ids[:, :2], device=mix0.device)  # [P, 2]
-                is_sp = torch.isin(top, special.to(mix0.device))  # [P, 2]
-                gap = torch.as_tensor(st.top_logp[:, 0] - st.top_logp[:, 1], device=mix0.device)  # [P] ≥ 0
-                m = (is_sp[:, 0] != is_sp[:, 1]) & (gap < margin)
-                if m.any():
-                    idx = torch.nonzero(m)[:, 0]
-                    keep_b.append(batch_rows(b, idx))
-                    keep_ids.append(top[idx])
-                    keep_gap.append(gap[idx].clamp_min(0.05).float())
-        if keep_b:
-            self.b = keep_b[0] if len(keep_b) == 1 else batch_cat(keep_b)
-            self.ids, self.gap0 = torch.cat(keep_ids), torch.cat(keep_gap)  # [N, 2], [N]
+        self.b, self.ids, gap = special_word_pairs(rows, w, special, margin)
+        if self.b is not None:
+            self.gap0 = gap.clamp_min(0.05)  # [N]
             with torch.no_grad():
                 z = logits_at(batch_mix(self.b, w), w, self.ids)  # [N, 2]
                 self.d0 = z[:, 0] - z[:, 1]  # [N]
@@ -569,7 +613,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
     torch.manual_seed(cfg.seed)
     ph_ids = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
     ev_group = torch.as_tensor([ph_ids[p] for p in pb.phrase], device=w.device)
-    param, dW_of = _parameterise(w, pb, cfg, ev_group)
+    param, dW_of, pnotes = _parameterise(w, pb, cfg, ev_group)
     obj = _Objective(w, pb, cfg, ev_group)
     judge = _Judge(w, pb, obj)
     opt = _Adam(param, cfg, float(w.W_sd.pow(2).mean().sqrt()), pb.background.P)
@@ -600,17 +644,43 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         parts = opt.run(n, loss_of)
         step += n
         history.append({"step": step, **parts[-1]})
-    return _result(judge, history, stopped, step, pb, w)
+    return dataclasses.replace(_result(judge, history, stopped, step, pb, w), info=pnotes)
 
 
 def _parameterise(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: torch.Tensor):
-    """(parameter, ΔW of it): U [n, K] with ΔW = U·(Q·diag s)ᵀ on the phrases' key directions Q, scaled
-    (background_scales) (key_rank > 0), else ΔW itself [n, f]; zeros at the start."""
-    if cfg.key_rank > 0:
-        Q = key_basis(pb.events.hh, ev_group, pb.background.hh, cfg.key_rank, cfg.key_ridge).float()  # [f, K]
-        Q = Q * background_scales(pb.background.hh, Q)  # [f, K]
-        return torch.zeros(w.n, Q.shape[1], device=w.device, requires_grad=True), (lambda p: p @ Q.T)
-    return torch.zeros(w.n, w.f, device=w.device, requires_grad=True), (lambda p: p)
+    """(parameter, ΔW of it, notes): U [n, K] with ΔW = P(U)·(Q·diag s)ᵀ on the phrases' key directions Q, scaled
+    (background_scales), P = project_out of the special-vs-word gap directions (gap_basis) at the background and
+    anchor rows with a special token within gap_margin of a word (key_rank > 0), else ΔW itself [n, f]; zeros
+    at the start."""
+    if cfg.key_rank <= 0:
+        return torch.zeros(w.n, w.f, device=w.device, requires_grad=True), (lambda p: p), []
+    Q = key_basis(pb.events.hh, ev_group, pb.background.hh, cfg.key_rank, cfg.key_ridge).float()  # [f, K]
+    Q = Q * background_scales(pb.background.hh, Q)  # [f, K]
+    V, notes = _gap_directions(w, pb, cfg, Q)
+    if V is None:
+        return torch.zeros(w.n, Q.shape[1], device=w.device, requires_grad=True), (lambda p: p @ Q.T), notes
+    return (torch.zeros(w.n, Q.shape[1], device=w.device, requires_grad=True),
+            (lambda p: project_out(p, V) @ Q.T), notes)
+
+
+def _gap_directions(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, M: torch.Tensor):
+    """(V [r, n, K] or None, notes): gap_basis at the background and anchor rows whose base top two are one special
+    token and one word within gap_margin nats (the gap_rows smallest gaps), weighted 1/max(gap, 0.05) (the
+    near-tie guard's scale); rank at most half of n·K (the rest is the edit's)."""
+    special = pb.terms.special.to(w.device)
+    if cfg.gap_margin <= 0 or not special.numel():
+        return None, []
+    rows = [pb.background] + ([pb.anchors] if pb.anchors is not None and pb.anchors.P else [])
+    b, ids, gap = special_word_pairs(rows, w, special, cfg.gap_margin)
+    if b is None:
+        return None, ["gap directions: no row with a special token within gap_margin of a word"]
+    if b.P > cfg.gap_rows:
+        keep = torch.argsort(gap)[: cfg.gap_rows]
+        b, ids, gap = batch_rows(b, keep), ids[keep], gap[keep]
+    J = gap_jacobians(b, w, ids)  # [N, n]
+    V = gap_basis(J, b.hh @ M, 1.0 / gap.clamp_min(0.05), max_rank=w.n * M.shape[1] // 2)
+    return (V if V.shape[0] else None), [f"gap directions: {V.shape[0]} of {w.n * M.shape[1]} (n·K) removed, from "
+                                         f"{b.P} rows within {cfg.gap_margin:g} nats of a special token"]
 
 
 def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: FtpoProblem, w: TailWeights):

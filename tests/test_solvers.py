@@ -410,3 +410,41 @@ def test_ratio_upper_is_the_cluster_ratio_bound():
     doc = np.array(["a", "a", "b", "c", "c", "c"])
     assert ratio_upper(x, doc) == pytest.approx(3 + 1.645 * math.sqrt(1.5 * 14) / 6, rel=1e-12)
     assert ratio_upper(x, np.array(["a"] * 6)) == pytest.approx(3.0)
+
+
+def test_ftpo_gap_directions_keep_the_special_word_gaps_to_first_order(setup):
+    """gap_basis / project_out: V is orthonormal, a projected U has no part in it, and ΔW = ε·P(U)·Mᵀ moves the
+    special-vs-word gap (z_t1 − z_t2) at every selected row by ≤ 2 % of what ΔW = ε·U·Mᵀ moves it (second order
+    and f32 rounding), both measured by an independent full-softmax forward in f64 logits; the rows selected are
+    the f64 topk's (one special, one word, gap < the margin)."""
+    from l47.solvers.ftpo import background_scales, gap_basis, gap_jacobians, key_basis, project_out, special_word_pairs
+
+    w, ev, bg = setup["w"], setup["ev"], setup["bg"]
+    z0 = (_mix(bg, w) @ w.head.T).double()
+    special = torch.as_tensor(sorted(set(int(t) for t in torch.topk(z0, 2).indices[:40, 1])))
+    top = torch.topk(z0, 2)
+    sp = torch.isin(top.indices, special)
+    want = torch.nonzero((sp[:, 0] != sp[:, 1]) & (top.values[:, 0] - top.values[:, 1] < 4.0))[:, 0]
+    b, ids, gap = special_word_pairs([bg], w, special, 4.0)
+    assert 0 < len(want) < bg.P and b.P == len(want)
+    np.testing.assert_array_equal(ids.numpy(), top.indices[want].numpy())
+    Q = key_basis(ev.hh, torch.as_tensor([i % 2 for i in range(ev.P)]), bg.hh, 8).float()
+    M = Q * background_scales(bg.hh, Q)  # [f, K]
+    V = gap_basis(gap_jacobians(b, w, ids), b.hh @ M, 1.0 / gap.clamp_min(0.05), max_rank=w.n * M.shape[1] // 2,
+                  rel_tol=1e-6)  # every direction: the default 1e-3 drops the weakest, the test needs them all
+    Vf = V.reshape(V.shape[0], -1).double()
+    assert V.shape[0] == len(want)  # one direction per row: the rows' G_b are independent here
+    np.testing.assert_allclose((Vf @ Vf.T).numpy(), np.eye(V.shape[0]), atol=1e-4)
+    U = torch.randn(w.n, M.shape[1], generator=torch.Generator().manual_seed(5))
+    Up = project_out(U, V)
+    assert float((Vf @ Up.reshape(-1).double()).abs().max()) < 1e-4 * float(U.norm())
+
+    def gap_change(Umat):
+        z1 = (_mix(bg, w, dW=Umat @ M.T) @ w.head.T).double()[want].gather(1, ids)
+        d0 = z0[want].gather(1, ids)
+        return (z1[:, 0] - z1[:, 1]) - (d0[:, 0] - d0[:, 1])
+
+    eps = 0.02 * float(w.W_sd.std()) / float((U @ M.T).std())
+    free, kept = gap_change(eps * U), gap_change(eps * Up)
+    assert float(free.abs().max()) > 1e-2  # the planted step does move the gaps
+    assert float(kept.abs().max()) <= 0.02 * float(free.abs().max())
