@@ -304,25 +304,45 @@ def gap_jacobians(b: Batch, w: TailWeights, ids: torch.Tensor) -> torch.Tensor:
     return ys.grad.detach()
 
 
+@dataclass(frozen=True)
+class GapBasis:
+    """The span of V_i = Σ_b C_bi G_b, G_b = J_b k_bᵀ (orthonormal in ⟨·,·⟩ over [n, K]), held implicitly: the
+    projector Σ_i V_i ⟨V_i, U⟩ = Σ_{b,b'} G_b (C Cᵀ)_{bb'} ⟨G_b', U⟩ costs 2·N·n·K per call, never an [r, n·K] V.
+    f64 (C Cᵀ spans 1/σ² over the kept range: in f32 the projector left ~1 % of a row's coordinate)."""
+
+    J: torch.Tensor  # [N, n] weighted gap Jacobians (f64)
+    k: torch.Tensor  # [N, K] keys in the parameter basis (f64)
+    CC: torch.Tensor  # [N, N] C Cᵀ (f64)
+    rank: int
+
+    def coords(self, U: torch.Tensor) -> torch.Tensor:
+        """⟨G_b, U⟩ per row [N] (f64): J_bᵀ U k_b (the first-order gap change at row b, times its weight)."""
+        return ((self.J @ U.double()) * self.k).sum(1)
+
+    def project(self, U: torch.Tensor) -> torch.Tensor:
+        """Σ_i V_i ⟨V_i, U⟩ [n, K] (U's dtype)."""
+        c = self.CC @ self.coords(U)  # [N]
+        return (self.J.T @ (c[:, None] * self.k)).to(U.dtype)
+
+
 def gap_basis(J: torch.Tensor, k: torch.Tensor, weight: torch.Tensor, max_rank: int,
-              rel_tol: float = 1e-3) -> torch.Tensor:
-    """Orthonormal V [r, n, K] (f32) of the first-order special-vs-word gap changes: under ΔW = U·Mᵀ (U [n, K],
-    k_b = Mᵀ hh_b) row b's gap moves by J_bᵀ U k_b = ⟨G_b, U⟩, G_b = J_b k_bᵀ. V = the top right singular vectors
-    of the weighted stack [ω_b G_b] (from its Gram (ω J Jᵀ ω) ⊙ (k kᵀ) [N, N], f64: no [N, n·K] stack), the
-    singular values above rel_tol × the largest, at most max_rank. J [N, n], k [N, K], weight [N]."""
+              rel_tol: float = 1e-3) -> GapBasis:
+    """The first-order special-vs-word gap changes' directions: under ΔW = U·Mᵀ (U [n, K], k_b = Mᵀ hh_b) row b's
+    gap moves by J_bᵀ U k_b = ⟨G_b, U⟩, G_b = J_b k_bᵀ. The span of the top right singular vectors of the weighted
+    stack [ω_b G_b] (from its Gram (ω J Jᵀ ω) ⊙ (k kᵀ) [N, N], f64: no [N, n·K] stack), the singular values above
+    rel_tol × the largest, at most max_rank. J [N, n], k [N, K], weight [N]."""
     Jw = J.double() * weight.double()[:, None]  # [N, n]
     Kd = k.double()  # [N, K]
     ev, A = torch.linalg.eigh((Jw @ Jw.T) * (Kd @ Kd.T))  # ascending [N], [N, N]
     ev, A = ev.flip(0), A.flip(1)
     r = min(int((ev > rel_tol ** 2 * ev[0]).sum()), max_rank) if float(ev[0]) > 0 else 0
-    C = (A[:, :r] / ev[:r].sqrt()).float()  # [N, r]
-    return torch.einsum("br,bn,bk->rnk", C, Jw.float(), Kd.float())  # [r, n, K] = Σ_b C_br G_b
+    C = A[:, :r] / ev[:r].sqrt()  # [N, r]: V_i = Σ_b C_bi ω_b G_b orthonormal
+    return GapBasis(Jw, Kd, C @ C.T, r)
 
 
-def project_out(U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """U − Σ_i ⟨V_i, U⟩ V_i [n, K]: U without its part in span V (V [r, n, K] orthonormal)."""
-    Vf = V.reshape(V.shape[0], -1)  # [r, n·K]
-    return U - (Vf.T @ (Vf @ U.reshape(-1))).reshape(U.shape)
+def project_out(U: torch.Tensor, V: GapBasis) -> torch.Tensor:
+    """U − proj_V U [n, K]: U without its part in the span of V."""
+    return U - V.project(U)
 
 
 class _NearTies:
@@ -664,7 +684,7 @@ def _parameterise(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: to
 
 
 def _gap_directions(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, M: torch.Tensor):
-    """(V [r, n, K] or None, notes): gap_basis at the background and anchor rows whose base top two are one special
+    """(GapBasis or None, notes): gap_basis at the background and anchor rows whose base top two are one special
     token and one word within gap_margin nats (the gap_rows smallest gaps), weighted 1/max(gap, 0.05) (the
     near-tie guard's scale); rank at most half of n·K (the rest is the edit's)."""
     special = pb.terms.special.to(w.device)
@@ -679,7 +699,7 @@ def _gap_directions(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, M: torch.T
         b, ids, gap = batch_rows(b, keep), ids[keep], gap[keep]
     J = gap_jacobians(b, w, ids)  # [N, n]
     V = gap_basis(J, b.hh @ M, 1.0 / gap.clamp_min(0.05), max_rank=w.n * M.shape[1] // 2)
-    return (V if V.shape[0] else None), [f"gap directions: {V.shape[0]} of {w.n * M.shape[1]} (n·K) removed, from "
+    return (V if V.rank else None), [f"gap directions: {V.rank} of {w.n * M.shape[1]} (n·K) removed, from "
                                          f"{b.P} rows within {cfg.gap_margin:g} nats of a special token"]
 
 
