@@ -129,6 +129,8 @@ FTPO_MEANINGS = {
     "lambda_special": "weight of the special-token mass hinge (rise / bar (f)'s special_rise_tol)",
     "lambda_flip": "weight of the near-tie guard: (shrink of the special-vs-argmax gap / its base size)², summed (bar (f)'s flips)",
     "flip_margin": "nats: background rows and turn ends whose top two (one special, one not) are this close are guarded",
+    "gap_margin": "nats: rows whose top two (one special, one word) are this close define the gap directions ΔW is kept off (0: off)",
+    "gap_rows": "at most this many of those rows (the smallest gaps first)",
     "lambda_ridge": "ridge on ‖ΔW‖² / ‖W‖²",
     "tether_topk": "top-K base tokens of the conditional tether and the log-odds",
     "background_batch": "background positions per step (rotating; the exact KL uses all)",
