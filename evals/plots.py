@@ -122,3 +122,41 @@ def write_plots(folder: Path, report: dict, docs) -> list[str]:
         plot_special(folder / "special_mass.png", slop.get("events") or []),
     ]
     return [p for p in out if p]
+
+
+SWEEP_PLOT_TITLE = "l47 solve --sweep"  # the PNG's Title metadata: how an existing plot is recognised as ours
+
+
+def plot_sweep(path: Path, sweep) -> str:
+    """`l47 solve --sweep`'s plot, written atomically: per candidate (l47.data.record.SweepRecord) its dev residual
+    per phrase (small markers), worst phrase (line) and pooled (squares) vs its exact background KL; the KL budget
+    as a vertical line, the chosen candidate ringed."""
+    import io
+
+    from l47.fileio import write_bytes_atomic
+
+    cs = sorted(sweep.candidates, key=lambda c: c.background_kl_exact)
+    kl = np.array([c.background_kl_exact for c in cs])
+    fig = _fig(8.0, 4.8)
+    ax = fig.add_subplot(1, 1, 1)
+    for ph in sorted({p for c in cs for p in c.dev_residual_per_phrase}):
+        ax.plot(kl, [c.dev_residual_per_phrase.get(ph, np.nan) for c in cs], "o", ms=4, alpha=0.6, label=ph)
+    ax.plot(kl, [c.dev_residual_worst for c in cs], "-", color="k", lw=1, label="worst phrase")
+    ax.plot(kl, [c.dev_residual for c in cs], "s", color="k", ms=5, label="pooled")
+    for c in cs:
+        ax.annotate(c.name, (c.background_kl_exact, c.dev_residual_worst), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ch = next(c for c in cs if c.chosen)
+    ax.plot([ch.background_kl_exact], [ch.dev_residual_worst], "o", ms=14, mfc="none", mec="red", mew=2,
+            label=f"chosen ({ch.name})")
+    ax.axvline(sweep.budget, color="red", ls="--", lw=1, label=f"KL budget {sweep.budget:.3g}")
+    ax.set_xlabel("exact background KL (nats, re-quantised)")
+    ax.set_ylabel("dev residual p(rejected) after / before")
+    ax.set_ylim(0, max(1.05, float(np.nanmax([c.dev_residual_worst for c in cs])) * 1.05))
+    ax.set_title("sweep candidates on dev: residual per phrase vs exact KL")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Title": SWEEP_PLOT_TITLE})
+    write_bytes_atomic(path, buf.getvalue())
+    return Path(path).name

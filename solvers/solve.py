@@ -9,6 +9,8 @@
               → requantize        ΔW -> Q8_0 bytes of the target and their runtime values (what ships)
               → measure           every claimed figure on the re-quantised weights (l47.data.record.SolveClaims)
               → write_outputs     bundle (or overlay), solve record, ledger
+With --sweep (solvers/sweep.py) the steps solve_problem → measure run once per candidate of a small grid, each
+judged on dev; the chosen one is written, the record lists every candidate.
 
 Every figure it reports is computed by the exact tail forward on the re-quantised weights (as shipped). The
 same command on the same inputs writes the same bytes (no timestamps; deterministic solvers). The library
@@ -56,6 +58,7 @@ class SolveArgs:
     ledger: Path | None = None
     sets_json: Path | None = None  # reuse a `l47 sets --json` report instead of re-mining
     allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
+    sweep: bool = False  # a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)
 
 
 @dataclass(frozen=True)
@@ -509,7 +512,7 @@ def _measured_on_bundle(sel: Selection) -> list[str]:
 
 
 def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipped,
-                  claims: rec.SolveClaims) -> SolveResult:
+                  claims: rec.SolveClaims, sweep: rec.SweepRecord | None = None) -> SolveResult:
     bundle_sha = _write_bundle(plan, shipped.raw)
     r, base_sha = plan.report, plan.base_g.sha256()
     inputs = [rec.InputFile(str(plan.model), base_sha, "model"),
@@ -520,7 +523,8 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
                              base_sha256=base_sha, bundle_sha256=bundle_sha, target=plan.w.target,
                              config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
                              claims=claims, notes=list(warnings) + plan.dumps.other_model_notes,
-                             numerics=plan.w.numerics.record(), stamps=_stamps(plan.dumps.other_model_notes))
+                             numerics=plan.w.numerics.record(), stamps=_stamps(plan.dumps.other_model_notes),
+                             sweep=sweep)
     path = rec.record_path_for(plan.out)
     write_text_atomic(path, record.to_json())
     plan.ledger.append(_measured_on_bundle(sel), bundle_sha, "solve")
@@ -534,24 +538,60 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
 def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
               progress: Callable[[dict], None] | None = None) -> SolveResult:
     """Solve and write the bundle, its record and the ledger lines. `log` receives messages, `progress` one dict
-    per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths."""
+    per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths. With
+    `args.sweep`: a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)."""
     log = log or (lambda _msg: None)
+    if args.sweep:
+        from l47.solvers.sweep import run_sweep
+
+        return run_sweep(args, log, progress)
     plan, every, sel, choice, prob = _prepare(args, log)
     feas = check_feasible(plan, sel, prob)
     for line in describe_feasibility(feas):
         log(line)
-    if plan.cfg.method == "ftpo" and len(every.anchors) > len(sel.anchors):
-        # soft anchors use no direction of f: FTPO keeps every one (the plan above is WFLD's exact-anchor bound)
-        sel, prob = every, dataclasses.replace(prob, anchors=plan.dumps.batch(
-            [(c.doc_sha256, c.pos) for c in every.anchors] + every.turn_ends))
-        log(f"ftpo: every collateral anchor kept as a soft anchor ({len(every.anchors)})")
-    solved = solve_problem(plan, sel, prob, log, progress)
+    sel, prob = soft_anchors(plan, every, sel, prob, log)
+    cand = solve_and_measure(plan, Posed(sel, prob, feas.to_dict(), choice), log, progress)
+    return write_outputs(plan, sel, prob, cand.shipped, cand.claims)
+
+
+def soft_anchors(plan: SolvePlan, every: Selection, sel: Selection, prob: Problem, log) -> tuple[Selection, Problem]:
+    """FTPO's anchors are soft and use no direction of f: it keeps every collateral anchor (the plan is WFLD's
+    exact-anchor bound). WFLD: the thinned selection as it is."""
+    if plan.cfg.method != "ftpo" or len(every.anchors) <= len(sel.anchors):
+        return sel, prob
+    log(f"ftpo: every collateral anchor kept as a soft anchor ({len(every.anchors)})")
+    return every, dataclasses.replace(prob, anchors=plan.dumps.batch(
+        [(c.doc_sha256, c.pos) for c in every.anchors] + every.turn_ends))
+
+
+@dataclass(frozen=True)
+class Posed:
+    """What one solve of a prepared problem acts on and records: the selection, its batches, the feasibility
+    plan (as JSON) and the anchors' choice."""
+
+    sel: Selection
+    prob: Problem
+    feas: dict | None = None
+    choice: AnchorChoice | None = None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One solve, as shipped: its Q8_0 bytes and every figure measured on them."""
+
+    shipped: Shipped
+    claims: rec.SolveClaims
+
+
+def solve_and_measure(plan: SolvePlan, posed: Posed, log, progress) -> Measured:
+    """solve_problem -> requantize -> measure: the one path from a problem to its shipped, measured ΔW (a plain
+    solve and every sweep candidate)."""
     from l47.model.weights import check_finite
 
+    solved = solve_problem(plan, posed.sel, posed.prob, log, progress)
     check_finite(solved.dW, f"l47 solve ({plan.cfg.method})", "ΔW (the solver's result)")  # never shipped
     shipped = requantize(plan, solved.dW)
-    claims = measure(plan, sel, prob, solved, shipped, feas.to_dict(), choice)
-    return write_outputs(plan, sel, prob, shipped, claims)
+    return Measured(shipped, measure(plan, posed.sel, posed.prob, solved, shipped, posed.feas, posed.choice))
 
 
 def _stamps(other_model_notes) -> list[str]:

@@ -330,6 +330,8 @@ def solve(
     force: bool = _force_opt(),
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
+    sweep: bool = typer.Option(False, "--sweep", help="solve a small grid of candidates judged on dev only; write "
+                               "the chosen one, BUNDLE.sweep.png and BUNDLE.sweep.tsv (docs/SOLVERS.md)"),
 ):
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights.\f
 
@@ -342,7 +344,7 @@ def solve(
     from l47.solvers.solve import SolveArgs
 
     args = SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
-                     allow_other_model=allow_other_model)
+                     allow_other_model=allow_other_model, sweep=sweep)
     check_solve(args, force, json_out)
     with json_to_stdout(json_out, console) as target:
         res = solve_and_print(args, console)

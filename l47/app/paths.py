@@ -32,6 +32,8 @@ BENCH_JSON = "bench-json"
 SOLVE_RECORD = "solve-record"
 AUDIT_JSON = "audit-json"  # `audit --json`: the report.json content written elsewhere
 PLAN_JSON = "plan-json"
+SWEEP_TSV = "sweep-tsv"  # `l47 solve --sweep`'s table
+SWEEP_PNG = "sweep-png"  # `l47 solve --sweep`'s plot (a PNG whose metadata names it)
 LEDGER = "ledger"  # appended to: must already be a valid ledger (or absent)
 AUDIT_DIR = "audit-dir"
 DUMP_DIR = "dump-dir"
@@ -105,6 +107,19 @@ def _is_plan_json(path: Path) -> bool:
     return d is not None and isinstance(d.get("plan"), dict) and set(d) <= {"plan", "anchors"}
 
 
+def _is_sweep_tsv(path: Path) -> bool:
+    from l47.solvers.sweep import TABLE_COLUMNS
+
+    return _head(path, 4096).split(b"\n", 1)[0].decode("utf-8", "replace").startswith("\t".join(TABLE_COLUMNS))
+
+
+def _is_sweep_png(path: Path) -> bool:
+    from l47.evals.plots import SWEEP_PLOT_TITLE
+
+    h = _head(path, 4096)
+    return h.startswith(b"\x89PNG") and SWEEP_PLOT_TITLE.encode() in h
+
+
 def _is_ledger(path: Path) -> bool:
     return True  # validated by check_ledger_file in check_outputs (a bad ledger is an error, not overwritten)
 
@@ -126,6 +141,8 @@ _SNIFF: dict[str, tuple[str, Callable[[Path], bool]]] = {
     AUDIT_JSON: ("an audit report written by `l47 audit`", _is_audit_report),
     PLAN_JSON: ("a plan written by `l47 plan --json`", _is_plan_json),
     LEDGER: ("a scoring ledger", _is_ledger),
+    SWEEP_TSV: ("a sweep table written by `l47 solve --sweep`", _is_sweep_tsv),
+    SWEEP_PNG: ("a sweep plot written by `l47 solve --sweep`", _is_sweep_png),
 }
 
 
@@ -350,10 +367,16 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
     out = Path(args.out)
     size = (_overlay_nbytes(model) if args.overlay else file_size(model)) \
         if model is not None and Path(model).is_file() else 0
-    check_outputs([Output(out, GGUF, "--out", nbytes=size),
-                   Output(record_path_for(out), SOLVE_RECORD, "--out (its solve record)"),
-                   Output(_file_out(json_out), SOLVE_RECORD, "--json"),
-                   Output(args.ledger, LEDGER, "--ledger")], ins, force=force)
+    outs = [Output(out, GGUF, "--out", nbytes=size),
+            Output(record_path_for(out), SOLVE_RECORD, "--out (its solve record)"),
+            Output(_file_out(json_out), SOLVE_RECORD, "--json"),
+            Output(args.ledger, LEDGER, "--ledger")]
+    if args.sweep:
+        from l47.solvers.sweep import sweep_paths_for
+
+        png, tsv = sweep_paths_for(out)
+        outs += [Output(png, SWEEP_PNG, "--out (its sweep plot)"), Output(tsv, SWEEP_TSV, "--out (its sweep table)")]
+    check_outputs(outs, ins, force=force)
     return _models(exp, model, args.allow_other_model)
 
 

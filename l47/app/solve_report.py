@@ -25,12 +25,13 @@ class FtpoProgress:
         """r: one evaluation of the trainer (l47.solvers.ftpo: step, loss, exact KL, dev/train residual per
         phrase, elapsed seconds) plus "steps", the cap."""
         res = r.get("dev_residual") or r.get("train_residual") or {}
+        cand = (f"{r['candidate']} ({r['candidate_index'] + 1}/{r['candidates']}) " if r.get("candidate") else "")
         worst = max(res.items(), key=lambda kv: kv[1]) if res else None
         desc = (f"KL {r['kl_exact']:.2e}" + (f" loss {r['loss']:.4f}" if r.get("loss") is not None else "")
                 + (f" worst {worst[0]!r} {worst[1]:.3f}" if worst else ""))
         if not self.console.is_terminal:  # a log, not a bar: one line per evaluation with every phrase
             per = ", ".join(f"{k} {v:.3f}" for k, v in res.items())
-            self.console.print(f"FTPO step {r['step']}/{r.get('steps')} ({r.get('elapsed_s', 0):.0f} s): {desc}; "
+            self.console.print(f"{cand}FTPO step {r['step']}/{r.get('steps')} ({r.get('elapsed_s', 0):.0f} s): {desc}; "
                                f"{'dev' if r.get('dev_residual') else 'train'} residual per phrase: {per}",
                                highlight=False)
             return
@@ -39,7 +40,7 @@ class FtpoProgress:
                                 TextColumn("{task.description}"), transient=True, console=self.console)
             self.bar.start()
             self.task = self.bar.add_task("", total=r.get("steps"))
-        self.bar.update(self.task, completed=r["step"], description=escape(desc))
+        self.bar.update(self.task, completed=r["step"], description=escape(cand + desc))
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
@@ -92,12 +93,33 @@ def print_solve(res, console: Console) -> None:
         console.print(f"[bold yellow]stamp:[/] {escape(str(s))}", highlight=False)
 
 
+def print_sweep(res, console: Console) -> None:
+    """The sweep's candidates (dev figures, exact KL) and the choice; draws the plot beside the bundle."""
+    from l47.evals.plots import plot_sweep
+    from l47.solvers.sweep import sweep_paths_for
+
+    sw = res.record.sweep
+    png, tsv = sweep_paths_for(res.bundle)
+    plot_sweep(png, sw)
+    t = Table(title=f"sweep on dev (KL budget {sw.budget:.4g}; re-quantised, exact forward)")
+    for col in ("candidate", "overrides", "exact KL", "dev pooled", "dev worst", "in budget", "frontier", "chosen"):
+        t.add_column(col, justify="left" if col in ("candidate", "overrides") else "right")
+    for c in sw.candidates:
+        t.add_row(c.name, Text(str(c.overrides)), f"{c.background_kl_exact:.4g}", f"{c.dev_residual:.4g}",
+                  f"{c.dev_residual_worst:.4g}", "yes" if c.within_budget else "no",
+                  "yes" if c.on_frontier else "no", "[bold]yes[/]" if c.chosen else "")
+    console.print(t)
+    console.print(f"chosen: {escape(sw.reason)}", highlight=False)
+    console.print(f"sweep plot {png}, table {tsv}", highlight=False)
+
+
 def solve_and_print(args, console: Console):
-    """run_solve with messages and the FTPO bar on `console`, then the claims."""
+    """run_solve with messages and the FTPO bar on `console`, then the claims (and the sweep's candidates)."""
     from l47.solvers.solve import run_solve
 
     with FtpoProgress(console) as bar:
         res = run_solve(args, log=lambda m: console.print(m, highlight=False), progress=bar)
     print_solve(res, console)
-    return res
+    if res.record.sweep is not None:
+        print_sweep(res, console)
     return res

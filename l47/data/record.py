@@ -8,9 +8,10 @@ The audit checks bar (a) (every slop position is prefix-exact and an event), the
 train/eval disjointness against THIS record — what the solver actually touched — never against its own
 re-mining (seed §5.3: the failure was positions the solver added).
 
-JSON form (`schema` = RECORD_SCHEMA = 2; documented in docs/ARCHITECTURE.md "The solve record"): the dataclasses
-below as nested objects (`dataclasses.asdict`), keys sorted; an absent optional claim is `null`. Schema 1 (the
-same layout without `claims.convergence`) is read as well: every field added in 2 is optional.
+JSON form (`schema` = RECORD_SCHEMA = 3; documented in docs/ARCHITECTURE.md "The solve record"): the dataclasses
+below as nested objects (`dataclasses.asdict`), keys sorted; an absent optional claim is `null`. Schemas 1 (the
+same layout without `claims.convergence`) and 2 (without `sweep`, the candidates of `l47 solve --sweep`) are read
+as well: every field added since is optional.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 
 from l47.errors import L47Error
 
-RECORD_SCHEMA = 2
-READABLE_SCHEMAS = (1, 2)
+RECORD_SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, 3)
 # kinds of objective terms a touched position can carry
 TERM_SLOP = "slop"  # FTPO margin / preference at a training event (must be prefix-exact, base p >= 1e-2)
 TERM_ANCHOR = "anchor"  # protected collateral context (zero change)
@@ -145,6 +146,42 @@ def claim_name(path: tuple[str, ...]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the sweep (`l47 solve --sweep`, solvers/sweep.py)
+
+
+@dataclass(frozen=True)
+class SweepCandidate:
+    """One candidate of the grid, solved, re-quantised as shipped and judged on dev only (exact forward)."""
+
+    name: str  # "c1", "c2", ... in grid order
+    overrides: dict  # the solver keys it sets over the resolved config (e.g. {"kl_budget": 0.0025, ...})
+    background_kl_exact: float  # mean KL(base ‖ shipped) at the solve's background positions
+    dev_residual: float  # pooled dev p(rejected) after / before
+    dev_residual_worst: float  # the largest per-phrase dev residual (phrases with dev events)
+    dev_residual_per_phrase: dict[str, float]  # phrase -> mean after / mean before on its dev events
+    within_budget: bool  # background_kl_exact ≤ the sweep's KL budget
+    on_frontier: bool  # no other candidate has ≤ KL and ≤ worst and ≤ pooled residual, one strictly
+    chosen: bool
+    stop_reason: str | None = None  # the solver's (SolveClaims.convergence)
+
+
+@dataclass(frozen=True)
+class SweepRecord:
+    budget: float  # nats of mean background KL the choice is held to (the solve's KL budget)
+    rule: str  # how the chosen candidate is picked
+    chosen: str  # its name
+    reason: str  # why, with its figures
+    candidates: list[SweepCandidate] = field(default_factory=list)
+
+    @staticmethod
+    def from_dict(d: dict | None) -> "SweepRecord | None":
+        if d is None:
+            return None
+        d = dict(d)
+        return SweepRecord(**{**d, "candidates": [SweepCandidate(**c) for c in d.get("candidates", [])]})
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the record
 
 
@@ -164,6 +201,7 @@ class SolveRecord:
     notes: list[str] = field(default_factory=list)
     numerics: dict = field(default_factory=dict)  # head precision used and its measured error (Numerics.record)
     stamps: list[str] = field(default_factory=list)  # facts the reader must see first (other_model_stamp)
+    sweep: SweepRecord | None = None  # `l47 solve --sweep`: every candidate and the choice (schema ≥ 3)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -188,6 +226,7 @@ def read_record(path: Path) -> SolveRecord:
             inputs=[InputFile(**x) for x in d["inputs"]], touched=[Touched(**x) for x in d["touched"]],
             claims=SolveClaims.from_dict(d["claims"]), schema=RECORD_SCHEMA, notes=list(d.get("notes", [])),
             numerics=dict(d.get("numerics", {})), stamps=list(d.get("stamps", [])),
+            sweep=SweepRecord.from_dict(d.get("sweep")),
         )
     except (KeyError, TypeError) as e:
         raise L47Error(path, "solve record", "every field of SolveRecord", f"{type(e).__name__}: {e}") from None

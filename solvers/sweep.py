@@ -1,0 +1,185 @@
+"""`l47 solve --sweep`: a small grid of candidates, each solved, re-quantised as shipped and judged on DEV only.
+
+    run_sweep = _prepare            the plain solve's steps up to the problem (solvers/solve.py), once
+              → grid                the candidates: a few solver settings relative to the configured target and
+                                    KL budget (never tuned to a model; below)
+              → per candidate       check_feasible → solve_and_measure (the plain solve's one path: solve,
+                                    Q8_0 re-quantise, exact measure) → its dev figures
+              → choose              the most removal inside the KL budget, on the measured frontier
+              → write_outputs       the chosen candidate's bundle and record (+ every candidate), the table
+
+The grid (docs/SOLVERS.md "Sweep"), with t the configured target residual and B the solve's KL budget
+(`kl_budget`, default KL_BUDGET_SAFETY × the tightest KLD bar):
+    FTPO  (target_residual, kl_budget) = (t, B/2), (t, B), (t/2, B), (t/2, 3B/2)
+    WFLD  margin = ln(1/t') nats for t' = 2t, t, t/2 (t' capped at 0.9): the log-odds drop that takes an event
+          to t' of its base odds
+Held-out is never read here: it is scored only by `l47 audit`. The chosen candidate's bundle is the one a plain
+`l47 solve` with its overrides in [solver] writes (same bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from l47.data import record as rec
+from l47.errors import L47Error
+from l47.fileio import write_text_atomic
+
+FTPO_GRID = ((1.0, 0.5), (1.0, 1.0), (0.5, 1.0), (0.5, 1.5))  # (× target residual, × KL budget)
+WFLD_GRID = (2.0, 1.0, 0.5)  # × target residual -> margin ln(1 / t')
+WFLD_MAX_TARGET = 0.9
+RULE = ("among the candidates whose exact background KL is within the budget: the lowest worst-phrase dev "
+        "residual, then the lowest pooled dev residual, then the lowest KL (a lexicographic minimum, so no "
+        "candidate tried is at least as good on all three and better on one); none within: the least KL")
+TABLE_COLUMNS = ("candidate", "overrides", "background_kl_exact", "dev_residual", "dev_residual_worst",
+                 "within_budget", "on_frontier", "chosen", "stop_reason")
+
+
+def sweep_paths_for(bundle: Path) -> tuple[Path, Path]:
+    """(plot, table) beside the bundle: <bundle>.sweep.png, <bundle>.sweep.tsv."""
+    bundle = Path(bundle)
+    return bundle.with_name(bundle.name + ".sweep.png"), bundle.with_name(bundle.name + ".sweep.tsv")
+
+
+def grid(cfg, budget: float) -> list[dict]:
+    """The candidates' overrides of the resolved SolveConfig `cfg` (module docstring); `budget` is B."""
+    t = cfg.target_residual
+    if cfg.method == "ftpo":
+        return [{"target_residual": t * a, "kl_budget": budget * b} for a, b in FTPO_GRID]
+    return [{"wfld": {"margin": math.log(1.0 / min(WFLD_MAX_TARGET, t * a))}} for a in WFLD_GRID]
+
+
+def apply_overrides(cfg, ov: dict):
+    """cfg with a candidate's overrides (top-level keys; "wfld" / "ftpo" sub-tables)."""
+    top = {k: v for k, v in ov.items() if k not in ("wfld", "ftpo")}
+    sub = {k: dataclasses.replace(getattr(cfg, k), **v) for k, v in ov.items() if k in ("wfld", "ftpo")}
+    return dataclasses.replace(cfg, **top, **sub)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the choice (pure functions of the measured figures)
+
+
+def dev_figures(claims: rec.SolveClaims) -> tuple[float, float, dict[str, float]]:
+    """(pooled, worst phrase, per phrase) dev residual p_after / p_before of a candidate's claims."""
+    d = claims.dev_p_rejected
+    per = {ph: d.per_phrase_after[ph] / b for ph, b in d.per_phrase_before.items() if b > 0}
+    return d.after / d.before, max(per.values()), per
+
+
+def _key(c: rec.SweepCandidate) -> tuple[float, float, float]:
+    return (c.dev_residual_worst, c.dev_residual, c.background_kl_exact)
+
+
+def dominated(c: rec.SweepCandidate, others: list[rec.SweepCandidate]) -> bool:
+    """Some other candidate has ≤ KL, ≤ worst and ≤ pooled dev residual, and < in one of them."""
+    k = _key(c)
+    return any(all(a <= b for a, b in zip(_key(o), k)) and _key(o) != k for o in others if o is not c)
+
+
+def choose(cands: list[rec.SweepCandidate], budget: float) -> tuple[list[rec.SweepCandidate], str]:
+    """Mark within_budget, on_frontier and chosen (RULE); returns the marked candidates and the reason."""
+    cands = [dataclasses.replace(c, within_budget=c.background_kl_exact <= budget) for c in cands]
+    cands = [dataclasses.replace(c, on_frontier=not dominated(c, cands)) for c in cands]
+    inside = [c for c in cands if c.within_budget]
+    if inside:
+        best = min(inside, key=_key)
+        worst_ph = max(best.dev_residual_per_phrase, key=best.dev_residual_per_phrase.get)
+        why = (f"{best.name}: the lowest worst-phrase dev residual ({best.dev_residual_worst:.4g}, {worst_ph!r}; "
+               f"pooled {best.dev_residual:.4g}) of the {len(inside)} of {len(cands)} candidates within the KL "
+               f"budget {budget:.4g} (its exact background KL {best.background_kl_exact:.4g})")
+    else:
+        best = min(cands, key=lambda c: (c.background_kl_exact,) + _key(c))
+        why = (f"{best.name}: no candidate is within the KL budget {budget:.4g}; the least-KL one "
+               f"({best.background_kl_exact:.4g}, worst-phrase dev residual {best.dev_residual_worst:.4g})")
+    return [dataclasses.replace(c, chosen=c is best) for c in cands], why
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the table
+
+
+def _num(x) -> str:
+    return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+def table_text(sw: rec.SweepRecord) -> str:
+    """The sweep as TSV: one row per candidate, every number as the record holds it (repr of the float), then
+    one column per phrase (dev residual of that phrase)."""
+    import json
+
+    phrases = sorted({ph for c in sw.candidates for ph in c.dev_residual_per_phrase})
+    lines = ["\t".join(TABLE_COLUMNS + tuple(f"dev_residual[{ph}]" for ph in phrases))]
+    for c in sw.candidates:
+        row = [c.name, json.dumps(c.overrides, sort_keys=True), c.background_kl_exact, c.dev_residual,
+               c.dev_residual_worst, c.within_budget, c.on_frontier, c.chosen, c.stop_reason or ""]
+        row += [c.dev_residual_per_phrase.get(ph, float("nan")) for ph in phrases]
+        lines.append("\t".join(_num(x) for x in row))
+    return "\n".join(lines) + "\n"
+
+
+def read_table(path: Path) -> list[dict[str, str]]:
+    """The TSV back as one dict per row (header -> cell)."""
+    head, *rows = Path(path).read_text(encoding="utf-8").splitlines()
+    cols = head.split("\t")
+    return [dict(zip(cols, r.split("\t"))) for r in rows]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the driver
+
+
+def _candidate(name: str, ov: dict, m) -> rec.SweepCandidate:
+    pooled, worst, per = dev_figures(m.claims)
+    cv = m.claims.convergence
+    return rec.SweepCandidate(name=name, overrides=ov, background_kl_exact=m.claims.background_kl_exact,
+                              dev_residual=pooled, dev_residual_worst=worst, dev_residual_per_phrase=per,
+                              within_budget=False, on_frontier=False, chosen=False,
+                              stop_reason=None if cv is None else cv.stop_reason)
+
+
+def _step_progress(progress, name: str, i: int, n: int):
+    if progress is None:
+        return None
+    return lambda r: progress({**r, "candidate": name, "candidate_index": i, "candidates": n})
+
+
+def run_sweep(args, log: Callable[[str], None], progress: Callable[[dict], None] | None):
+    """Every candidate of the grid solved and judged on dev; the chosen one's bundle and record written (with
+    every candidate in `record.sweep`) and the table beside the bundle. Returns the SolveResult."""
+    from l47.solvers.solve import (Posed, _prepare, check_feasible, describe_feasibility, kl_budget,
+                                   soft_anchors, solve_and_measure, write_outputs)
+
+    plan, every, sel, choice, prob = _prepare(args, log)
+    if not sel.dev:
+        raise L47Error(plan.exp.path, "documents.dev", "dev documents with events (the sweep judges on dev)",
+                       "no dev event")
+    budget = kl_budget(plan)
+    ovs = grid(plan.cfg, budget)
+    cands, runs = [], []
+    for i, ov in enumerate(ovs):
+        name = f"c{i + 1}"
+        pc = dataclasses.replace(plan, cfg=apply_overrides(plan.cfg, ov))
+        feas = check_feasible(pc, sel, prob)
+        if i == 0:
+            for line in describe_feasibility(feas):
+                log(line)
+        s2, p2 = soft_anchors(pc, every, sel, prob, log if i == 0 else (lambda _m: None))
+        log(f"sweep {name} ({i + 1}/{len(ovs)}): {ov}")
+        m = solve_and_measure(pc, Posed(s2, p2, feas.to_dict(), choice), log, _step_progress(progress, name, i, len(ovs)))
+        cands.append(_candidate(name, ov, m))
+        runs.append((pc, s2, p2, m))
+        c = cands[-1]
+        log(f"sweep {name}: exact background KL {c.background_kl_exact:.4g}, dev residual pooled "
+            f"{c.dev_residual:.4g}, worst phrase {c.dev_residual_worst:.4g}")
+    marked, why = choose(cands, budget)
+    k = next(i for i, c in enumerate(marked) if c.chosen)
+    log(f"sweep: chose {why}")
+    sw = rec.SweepRecord(budget=budget, rule=RULE, chosen=marked[k].name, reason=why, candidates=marked)
+    pc, s2, p2, m = runs[k]
+    res = write_outputs(pc, s2, p2, m.shipped, m.claims, sweep=sw)
+    write_text_atomic(sweep_paths_for(plan.out)[1], table_text(sw))
+    return res

@@ -1,0 +1,138 @@
+"""`l47 solve --sweep` (issue 12 item 5) on test_audit's small synthetic world (synthetic tail states with planted
+slop events at base p 0.6 in train, dev and held-out chats), with a tiny FTPO step budget.
+
+References: each candidate solved ALONE by a plain `l47 solve` whose [solver] table holds the candidate's
+overrides. The solvers are deterministic on the CPU, so the sweep's figures for a candidate must equal the plain
+solve's claims exactly (tolerance 0: the same code path on the same inputs), and the chosen candidate's bundle
+must be the same bytes. The frontier is re-derived here from the record's figures by brute force.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from l47.app.cli import app
+from l47.data.record import read_record, record_path_for
+from l47.solvers.sweep import FTPO_GRID, read_table, sweep_paths_for
+from test_audit import world  # noqa: F401 - the module-scoped world fixture
+
+FTPO = "[solver.ftpo]\nsteps = 120\neval_every = 20\n"
+
+
+def _exp(world, name: str, top: str = "", sub: str = FTPO):  # noqa: F811
+    p = world["root"] / f"{name}.toml"
+    p.write_text(world["exp"].read_text() + f'\n[solver]\nmethod = "ftpo"\n{top}\n{sub}')
+    return p
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def _toml_value(v) -> str:
+    return repr(float(v))  # repr round-trips through TOML's float
+
+
+def _overrides_toml(ov: dict) -> tuple[str, str]:
+    top = "".join(f"{k} = {_toml_value(v)}\n" for k, v in ov.items() if not isinstance(v, dict))
+    sub = FTPO + "".join(f"{k} = {_toml_value(v)}\n" for k, v in ov.get("ftpo", {}).items())
+    return top, sub
+
+
+def _dominates(a, b) -> bool:
+    ka = (a.background_kl_exact, a.dev_residual_worst, a.dev_residual)
+    kb = (b.background_kl_exact, b.dev_residual_worst, b.dev_residual)
+    return all(x <= y for x, y in zip(ka, kb)) and ka != kb
+
+
+@pytest.fixture(scope="module")
+def swept(world, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep_out")
+    exp = _exp(world, "sweep")
+    r = _cli("solve", exp, "--sweep", "--out", out / "b.gguf", "--model", world["base"], "--ledger",
+             out / "ledger.jsonl")
+    assert r.exit_code == 0, r.output
+    return dict(out=out, record=read_record(record_path_for(out / "b.gguf")), output=r.output)
+
+
+def test_sweep_candidates_match_separate_solves(world, swept, tmp_path):
+    sw = swept["record"].sweep
+    assert len(sw.candidates) == len(FTPO_GRID) and sum(c.chosen for c in sw.candidates) == 1
+    for c in sw.candidates:
+        top, sub = _overrides_toml(c.overrides)
+        d = tmp_path / c.name
+        d.mkdir()
+        r = _cli("solve", _exp(world, f"alone_{c.name}", top, sub), "--out", d / "b.gguf", "--model",
+                 world["base"], "--ledger", d / "ledger.jsonl")
+        assert r.exit_code == 0, r.output
+        cl = read_record(record_path_for(d / "b.gguf")).claims
+        assert c.background_kl_exact == cl.background_kl_exact
+        dv = cl.dev_p_rejected
+        assert c.dev_residual == dv.after / dv.before
+        assert c.dev_residual_per_phrase == {ph: dv.per_phrase_after[ph] / b for ph, b in dv.per_phrase_before.items()}
+        if c.chosen:
+            assert (d / "b.gguf").read_bytes() == (swept["out"] / "b.gguf").read_bytes()
+            assert cl == swept["record"].claims
+
+
+def test_sweep_choice_is_on_the_measured_frontier(swept):
+    sw = swept["record"].sweep
+    ch = next(c for c in sw.candidates if c.chosen)
+    assert sw.chosen == ch.name and ch.name in sw.reason
+    for c in sw.candidates:
+        assert c.within_budget == (c.background_kl_exact <= sw.budget)
+        assert c.on_frontier == (not any(_dominates(o, c) for o in sw.candidates if o is not c))
+    inside = [c for c in sw.candidates if c.within_budget]
+    if inside:  # the most removal within the budget, and nothing tried beats it on every figure
+        assert ch.within_budget and ch.dev_residual_worst == min(c.dev_residual_worst for c in inside)
+        assert not any(_dominates(o, ch) for o in sw.candidates)
+    else:
+        assert ch.background_kl_exact == min(c.background_kl_exact for c in sw.candidates)
+    # the grid is relative to the configured target and budget (kl_budget 0: 0.5 × the tightest KLD bar)
+    assert [c.overrides["kl_budget"] for c in sw.candidates] == [sw.budget * b for _, b in FTPO_GRID]
+    assert [c.overrides["target_residual"] for c in sw.candidates] == [0.2 * a for a, _ in FTPO_GRID]
+
+
+def test_sweep_plot_and_table_match_the_record(swept):
+    png, tsv = sweep_paths_for(swept["out"] / "b.gguf")
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+    rows = read_table(tsv)
+    sw = swept["record"].sweep
+    assert [r["candidate"] for r in rows] == [c.name for c in sw.candidates]
+    for r, c in zip(rows, sw.candidates):
+        assert json.loads(r["overrides"]) == c.overrides
+        for k in ("background_kl_exact", "dev_residual", "dev_residual_worst"):
+            assert float(r[k]) == getattr(c, k)
+        for ph, v in c.dev_residual_per_phrase.items():
+            assert float(r[f"dev_residual[{ph}]"]) == v
+        assert r["chosen"] == str(c.chosen) and r["on_frontier"] == str(c.on_frontier)
+    assert "chosen: " in swept["output"]
+
+
+def test_record_without_sweep_still_reads(swept, tmp_path):
+    d = json.loads(record_path_for(swept["out"] / "b.gguf").read_text())
+    assert d["schema"] == 3 and d["sweep"]["chosen"] == swept["record"].sweep.chosen
+    d.pop("sweep")
+    d["schema"] = 2
+    p = tmp_path / "old.solve.json"
+    p.write_text(json.dumps(d))
+    old = read_record(p)
+    assert old.sweep is None and old.claims == swept["record"].claims
+
+
+def test_sweep_refuses_an_output_that_is_an_input(world, tmp_path):
+    exp = _exp(world, "in")
+    out = world["root"] / "clash.gguf"
+    clash = sweep_paths_for(out)[1]
+    clash.symlink_to(exp)  # the table path is the experiment itself
+    try:
+        r = _cli("solve", exp, "--sweep", "--out", out, "--model", world["base"], "--ledger",
+                 tmp_path / "ledger.jsonl")
+    finally:
+        clash.unlink()
+    assert r.exit_code == 2, r.output
+    assert "sweep table" in r.output and "experiment" in r.output
+    assert not out.exists() and not record_path_for(out).exists() and not (tmp_path / "ledger.jsonl").exists()
