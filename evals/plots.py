@@ -150,6 +150,8 @@ def plot_sweep(path: Path, sweep) -> str:
     ax.plot([ch.background_kl_exact], [ch.dev_residual_worst], "o", ms=14, mfc="none", mec="red", mew=2,
             label=f"chosen ({ch.name})")
     ax.axvline(sweep.budget, color="red", ls="--", lw=1, label=f"KL budget {sweep.budget:.3g}")
+    if kl.min() > 0 and kl.max() > 10 * kl.min():
+        ax.set_xscale("log")  # candidates' KL spans decades
     ax.set_xlabel("exact background KL (nats, re-quantised)")
     ax.set_ylabel("dev residual p(rejected) after / before")
     ax.set_ylim(0, max(1.05, float(np.nanmax([c.dev_residual_worst for c in cs])) * 1.05))

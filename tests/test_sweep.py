@@ -136,3 +136,46 @@ def test_sweep_refuses_an_output_that_is_an_input(world, tmp_path):
     assert r.exit_code == 2, r.output
     assert "sweep table" in r.output and "experiment" in r.output
     assert not out.exists() and not record_path_for(out).exists() and not (tmp_path / "ledger.jsonl").exists()
+
+
+def test_wfld_sweep_chosen_is_the_plain_solve_of_its_margin(world, tmp_path):
+    """WFLD's grid: margin = ln(1/t') for t' = 2t, t, t/2; the chosen candidate's bundle is the bytes a plain
+    WFLD solve with that margin in [solver.wfld] writes."""
+    import math
+
+    exp = world["root"] / "sweep_wfld.toml"
+    exp.write_text(world["exp"].read_text() + '\n[solver]\nmethod = "wfld"\n')
+    r = _cli("solve", exp, "--sweep", "--out", tmp_path / "s.gguf", "--model", world["base"], "--ledger",
+             tmp_path / "s.jsonl")
+    assert r.exit_code == 0, r.output
+    sw = read_record(record_path_for(tmp_path / "s.gguf")).sweep
+    assert [c.overrides["wfld"]["margin"] for c in sw.candidates] == [math.log(1 / t) for t in (0.4, 0.2, 0.1)]
+    ch = next(c for c in sw.candidates if c.chosen)
+    assert not any(_dominates(o, ch) for o in sw.candidates) and ch.within_budget == (ch.background_kl_exact
+                                                                                       <= sw.budget)
+    alone = world["root"] / "alone_wfld.toml"
+    alone.write_text(exp.read_text() + f"\n[solver.wfld]\nmargin = {ch.overrides['wfld']['margin']!r}\n")
+    r = _cli("solve", alone, "--out", tmp_path / "a.gguf", "--model", world["base"], "--ledger", tmp_path / "a.jsonl")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "s.gguf").read_bytes()
+    cl = read_record(record_path_for(tmp_path / "a.gguf")).claims
+    assert cl.background_kl_exact == ch.background_kl_exact
+    assert cl.dev_p_rejected.after / cl.dev_p_rejected.before == ch.dev_residual
+
+
+def test_choose_marks_budget_frontier_and_the_most_removal():
+    """The rule on hand-made figures (no solve): budget 1.0; b is dominated by a; c removes most within budget;
+    d removes more but is over budget; with a budget of 0.1 none is within it and the least-KL one is taken."""
+    from l47.data.record import SweepCandidate
+    from l47.solvers.sweep import choose
+
+    def mk(name, kl, worst, pooled):
+        return SweepCandidate(name, {}, kl, pooled, worst, {"p": worst}, False, False, False)
+
+    cs = [mk("a", 0.2, 0.5, 0.4), mk("b", 0.3, 0.5, 0.45), mk("c", 0.9, 0.2, 0.15), mk("d", 1.5, 0.1, 0.05)]
+    out, why = choose(cs, 1.0)
+    assert [(c.within_budget, c.on_frontier, c.chosen) for c in out] == [
+        (True, True, False), (True, False, False), (True, True, True), (False, True, False)]
+    assert why.startswith("c:")
+    out, why = choose(cs, 0.1)
+    assert [c.chosen for c in out] == [True, False, False, False] and "no candidate is within" in why

@@ -93,6 +93,12 @@ def print_solve(res, console: Console) -> None:
         console.print(f"[bold yellow]stamp:[/] {escape(str(s))}", highlight=False)
 
 
+def _overrides(ov: dict, pre: str = "") -> str:
+    """{"wfld": {"margin": 2.302585}} -> "wfld.margin=2.303"."""
+    return " ".join(_overrides(v, f"{pre}{k}.") if isinstance(v, dict) else f"{pre}{k}={v:.4g}"
+                    for k, v in ov.items())
+
+
 def print_sweep(res, console: Console) -> None:
     """The sweep's candidates (dev figures, exact KL) and the choice; draws the plot beside the bundle."""
     from l47.evals.plots import plot_sweep
@@ -102,10 +108,10 @@ def print_sweep(res, console: Console) -> None:
     png, tsv = sweep_paths_for(res.bundle)
     plot_sweep(png, sw)
     t = Table(title=f"sweep on dev (KL budget {sw.budget:.4g}; re-quantised, exact forward)")
-    for col in ("candidate", "overrides", "exact KL", "dev pooled", "dev worst", "in budget", "frontier", "chosen"):
-        t.add_column(col, justify="left" if col in ("candidate", "overrides") else "right")
+    for col in ("", "overrides", "exact KL", "dev pooled", "dev worst", "≤ budget", "frontier", "chosen"):
+        t.add_column(col, justify="left" if col in ("", "overrides") else "right")
     for c in sw.candidates:
-        t.add_row(c.name, Text(str(c.overrides)), f"{c.background_kl_exact:.4g}", f"{c.dev_residual:.4g}",
+        t.add_row(c.name, Text(_overrides(c.overrides)), f"{c.background_kl_exact:.3g}", f"{c.dev_residual:.4g}",
                   f"{c.dev_residual_worst:.4g}", "yes" if c.within_budget else "no",
                   "yes" if c.on_frontier else "no", "[bold]yes[/]" if c.chosen else "")
     console.print(t)
