@@ -31,10 +31,11 @@ from l47.fileio import write_text_atomic
 FTPO_GRID = ((1.0, 0.5), (1.0, 1.0), (0.5, 1.0), (0.5, 1.5))  # (× target residual, × KL budget)
 WFLD_GRID = (2.0, 1.0, 0.5)  # × target residual -> margin ln(1 / t')
 WFLD_MAX_TARGET = 0.9
-RULE = ("among the candidates whose exact background KL is within the budget: the lowest worst-phrase dev "
-        "residual, then the lowest pooled dev residual, then the lowest KL (a lexicographic minimum, so no "
-        "candidate tried is at least as good on all three and better on one); none within: the least KL")
-TABLE_COLUMNS = ("candidate", "overrides", "background_kl_exact", "dev_residual", "dev_residual_worst",
+RULE = ("among the candidates whose exact background KL is within the budget: the most dev removal (mean over "
+        "phrases of log max(dev residual, target residual), FTPO's kept-step score), then the lowest worst-phrase "
+        "dev residual, then the lowest KL (a lexicographic minimum, so no candidate tried is at least as good on "
+        "all three and better on one); none within: the least KL")
+TABLE_COLUMNS = ("candidate", "overrides", "background_kl_exact", "dev_removal", "dev_residual", "dev_residual_worst",
                  "within_budget", "on_frontier", "chosen", "stop_reason")
 
 
@@ -63,19 +64,23 @@ def apply_overrides(cfg, ov: dict):
 # the choice (pure functions of the measured figures)
 
 
-def dev_figures(claims: rec.SolveClaims) -> tuple[float, float, dict[str, float]]:
-    """(pooled, worst phrase, per phrase) dev residual p_after / p_before of a candidate's claims."""
+def dev_figures(claims: rec.SolveClaims, target: float) -> tuple[float, float, float, dict[str, float]]:
+    """(removal score, pooled, worst phrase, per phrase) of a candidate's claims: dev residual p_after / p_before
+    per phrase; the score is FTPO's (l47.solvers.ftpo._removal_score: mean over phrases of log max(residual,
+    target); lower = more removal, a phrase below the target counts as at it)."""
+    from l47.solvers.ftpo import _removal_score
+
     d = claims.dev_p_rejected
     per = {ph: d.per_phrase_after[ph] / b for ph, b in d.per_phrase_before.items() if b > 0}
-    return d.after / d.before, max(per.values()), per
+    return _removal_score(per, target), d.after / d.before, max(per.values()), per
 
 
 def _key(c: rec.SweepCandidate) -> tuple[float, float, float]:
-    return (c.dev_residual_worst, c.dev_residual, c.background_kl_exact)
+    return (c.dev_removal, c.dev_residual_worst, c.background_kl_exact)
 
 
 def dominated(c: rec.SweepCandidate, others: list[rec.SweepCandidate]) -> bool:
-    """Some other candidate has ≤ KL, ≤ worst and ≤ pooled dev residual, and < in one of them."""
+    """Some other candidate has ≤ removal score, ≤ worst-phrase residual and ≤ KL, and < in one of them."""
     k = _key(c)
     return any(all(a <= b for a, b in zip(_key(o), k)) and _key(o) != k for o in others if o is not c)
 
@@ -88,9 +93,10 @@ def choose(cands: list[rec.SweepCandidate], budget: float) -> tuple[list[rec.Swe
     if inside:
         best = min(inside, key=_key)
         worst_ph = max(best.dev_residual_per_phrase, key=best.dev_residual_per_phrase.get)
-        why = (f"{best.name}: the lowest worst-phrase dev residual ({best.dev_residual_worst:.4g}, {worst_ph!r}; "
-               f"pooled {best.dev_residual:.4g}) of the {len(inside)} of {len(cands)} candidates within the KL "
-               f"budget {budget:.4g} (its exact background KL {best.background_kl_exact:.4g})")
+        why = (f"{best.name}: the most dev removal (score {best.dev_removal:.4g}; worst phrase "
+               f"{best.dev_residual_worst:.4g} {worst_ph!r}, pooled {best.dev_residual:.4g}) of the {len(inside)} of "
+               f"{len(cands)} candidates within the KL budget {budget:.4g} (its exact background KL "
+               f"{best.background_kl_exact:.4g})")
     else:
         best = min(cands, key=lambda c: (c.background_kl_exact,) + _key(c))
         why = (f"{best.name}: no candidate is within the KL budget {budget:.4g}; the least-KL one "
@@ -114,7 +120,7 @@ def table_text(sw: rec.SweepRecord) -> str:
     phrases = sorted({ph for c in sw.candidates for ph in c.dev_residual_per_phrase})
     lines = ["\t".join(TABLE_COLUMNS + tuple(f"dev_residual[{ph}]" for ph in phrases))]
     for c in sw.candidates:
-        row = [c.name, json.dumps(c.overrides, sort_keys=True), c.background_kl_exact, c.dev_residual,
+        row = [c.name, json.dumps(c.overrides, sort_keys=True), c.background_kl_exact, c.dev_removal, c.dev_residual,
                c.dev_residual_worst, c.within_budget, c.on_frontier, c.chosen, c.stop_reason or ""]
         row += [c.dev_residual_per_phrase.get(ph, float("nan")) for ph in phrases]
         lines.append("\t".join(_num(x) for x in row))
@@ -132,11 +138,11 @@ def read_table(path: Path) -> list[dict[str, str]]:
 # the driver
 
 
-def _candidate(name: str, ov: dict, m) -> rec.SweepCandidate:
-    pooled, worst, per = dev_figures(m.claims)
+def _candidate(name: str, ov: dict, m, target: float) -> rec.SweepCandidate:
+    score, pooled, worst, per = dev_figures(m.claims, target)
     cv = m.claims.convergence
     return rec.SweepCandidate(name=name, overrides=ov, background_kl_exact=m.claims.background_kl_exact,
-                              dev_residual=pooled, dev_residual_worst=worst, dev_residual_per_phrase=per,
+                              dev_removal=score, dev_residual=pooled, dev_residual_worst=worst, dev_residual_per_phrase=per,
                               within_budget=False, on_frontier=False, chosen=False,
                               stop_reason=None if cv is None else cv.stop_reason)
 
@@ -170,14 +176,14 @@ def run_sweep(args, log: Callable[[str], None], progress: Callable[[dict], None]
         s2, p2 = soft_anchors(pc, every, sel, prob, log if i == 0 else (lambda _m: None))
         log(f"sweep {name} ({i + 1}/{len(ovs)}): {ov}")
         m = solve_and_measure(pc, Posed(s2, p2, feas.to_dict(), choice), log, _step_progress(progress, name, i, len(ovs)))
-        cands.append(_candidate(name, ov, m))
+        cands.append(_candidate(name, ov, m, plan.cfg.target_residual))
         runs.append((pc, s2, p2, m))
         c = cands[-1]
-        log(f"sweep {name}: exact background KL {c.background_kl_exact:.4g}, dev residual pooled "
-            f"{c.dev_residual:.4g}, worst phrase {c.dev_residual_worst:.4g}")
+        log(f"sweep {name}: exact background KL {c.background_kl_exact:.4g}, dev removal score "
+            f"{c.dev_removal:.4g}, dev residual pooled {c.dev_residual:.4g}, worst phrase {c.dev_residual_worst:.4g}")
     marked, why = choose(cands, budget)
     k = next(i for i, c in enumerate(marked) if c.chosen)
-    log(f"sweep: chose {why}")
+    log(f"sweep: chose {why}" if any(c.within_budget for c in marked) else f"warning: sweep: {why}")
     sw = rec.SweepRecord(budget=budget, rule=RULE, chosen=marked[k].name, reason=why, candidates=marked)
     pc, s2, p2, m = runs[k]
     res = write_outputs(pc, s2, p2, m.shipped, m.claims, sweep=sw)

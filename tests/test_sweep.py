@@ -10,6 +10,7 @@ must be the same bytes. The frontier is re-derived here from the record's figure
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -43,8 +44,8 @@ def _overrides_toml(ov: dict) -> tuple[str, str]:
 
 
 def _dominates(a, b) -> bool:
-    ka = (a.background_kl_exact, a.dev_residual_worst, a.dev_residual)
-    kb = (b.background_kl_exact, b.dev_residual_worst, b.dev_residual)
+    ka = (a.background_kl_exact, a.dev_residual_worst, a.dev_removal)
+    kb = (b.background_kl_exact, b.dev_residual_worst, b.dev_removal)
     return all(x <= y for x, y in zip(ka, kb)) and ka != kb
 
 
@@ -72,6 +73,8 @@ def test_sweep_candidates_match_separate_solves(world, swept, tmp_path):
         assert c.background_kl_exact == cl.background_kl_exact
         dv = cl.dev_p_rejected
         assert c.dev_residual == dv.after / dv.before
+        per = [math.log(max(v, 0.2)) for v in c.dev_residual_per_phrase.values()]  # against the configured t
+        assert c.dev_removal == pytest.approx(sum(per) / len(per), abs=1e-12)
         assert c.dev_residual_per_phrase == {ph: dv.per_phrase_after[ph] / b for ph, b in dv.per_phrase_before.items()}
         if c.chosen:
             assert (d / "b.gguf").read_bytes() == (swept["out"] / "b.gguf").read_bytes()
@@ -87,7 +90,7 @@ def test_sweep_choice_is_on_the_measured_frontier(swept):
         assert c.on_frontier == (not any(_dominates(o, c) for o in sw.candidates if o is not c))
     inside = [c for c in sw.candidates if c.within_budget]
     if inside:  # the most removal within the budget, and nothing tried beats it on every figure
-        assert ch.within_budget and ch.dev_residual_worst == min(c.dev_residual_worst for c in inside)
+        assert ch.within_budget and ch.dev_removal == min(c.dev_removal for c in inside)
         assert not any(_dominates(o, ch) for o in sw.candidates)
     else:
         assert ch.background_kl_exact == min(c.background_kl_exact for c in sw.candidates)
@@ -104,7 +107,7 @@ def test_sweep_plot_and_table_match_the_record(swept):
     assert [r["candidate"] for r in rows] == [c.name for c in sw.candidates]
     for r, c in zip(rows, sw.candidates):
         assert json.loads(r["overrides"]) == c.overrides
-        for k in ("background_kl_exact", "dev_residual", "dev_residual_worst"):
+        for k in ("background_kl_exact", "dev_removal", "dev_residual", "dev_residual_worst"):
             assert float(r[k]) == getattr(c, k)
         for ph, v in c.dev_residual_per_phrase.items():
             assert float(r[f"dev_residual[{ph}]"]) == v
@@ -141,8 +144,6 @@ def test_sweep_refuses_an_output_that_is_an_input(world, tmp_path):
 def test_wfld_sweep_chosen_is_the_plain_solve_of_its_margin(world, tmp_path):
     """WFLD's grid: margin = ln(1/t') for t' = 2t, t, t/2; the chosen candidate's bundle is the bytes a plain
     WFLD solve with that margin in [solver.wfld] writes."""
-    import math
-
     exp = world["root"] / "sweep_wfld.toml"
     exp.write_text(world["exp"].read_text() + '\n[solver]\nmethod = "wfld"\n')
     r = _cli("solve", exp, "--sweep", "--out", tmp_path / "s.gguf", "--model", world["base"], "--ledger",
@@ -169,10 +170,10 @@ def test_choose_marks_budget_frontier_and_the_most_removal():
     from l47.data.record import SweepCandidate
     from l47.solvers.sweep import choose
 
-    def mk(name, kl, worst, pooled):
-        return SweepCandidate(name, {}, kl, pooled, worst, {"p": worst}, False, False, False)
+    def mk(name, kl, worst, score):
+        return SweepCandidate(name, {}, kl, score, worst, worst, {"p": worst}, False, False, False)
 
-    cs = [mk("a", 0.2, 0.5, 0.4), mk("b", 0.3, 0.5, 0.45), mk("c", 0.9, 0.2, 0.15), mk("d", 1.5, 0.1, 0.05)]
+    cs = [mk("a", 0.2, 0.5, -0.4), mk("b", 0.3, 0.5, -0.4), mk("c", 0.9, 0.2, -1.2), mk("d", 1.5, 0.1, -1.6)]
     out, why = choose(cs, 1.0)
     assert [(c.within_budget, c.on_frontier, c.chosen) for c in out] == [
         (True, True, False), (True, False, False), (True, True, True), (False, True, False)]

@@ -326,7 +326,7 @@ def solve(
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
     device: str = typer.Option("cpu"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the solve record as JSON (- : to stdout)"),
-    strict: bool = typer.Option(False, help="the solver's warnings are failures (exit 1)"),
+    strict: bool = typer.Option(False, help="the solver's warnings (with --sweep: no candidate within the KL budget) are failures (exit 1)"),
     force: bool = _force_opt(),
     allow_other_model: bool = typer.Option(False, help="use dumps made from another model (recorded in the report)"),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
@@ -350,7 +350,8 @@ def solve(
         res = solve_and_print(args, console)
         if target is not None:
             write_text_atomic(target, res.record.to_json())
-    raise typer.Exit(1 if (strict and res.claims.method.get("warnings")) else 0)
+    over = res.record.sweep is not None and not any(c.within_budget for c in res.record.sweep.candidates)
+    raise typer.Exit(1 if (strict and (res.claims.method.get("warnings") or over)) else 0)
 
 
 @app.command()

@@ -108,10 +108,11 @@ def print_sweep(res, console: Console) -> None:
     png, tsv = sweep_paths_for(res.bundle)
     plot_sweep(png, sw)
     t = Table(title=f"sweep on dev (KL budget {sw.budget:.4g}; re-quantised, exact forward)")
-    for col in ("", "overrides", "exact KL", "dev pooled", "dev worst", "≤ budget", "frontier", "chosen"):
+    for col in ("", "overrides", "exact KL", "removal", "dev pooled", "dev worst", "≤ budget", "frontier", "chosen"):
         t.add_column(col, justify="left" if col in ("", "overrides") else "right")
     for c in sw.candidates:
-        t.add_row(c.name, Text(_overrides(c.overrides)), f"{c.background_kl_exact:.3g}", f"{c.dev_residual:.4g}",
+        t.add_row(c.name, Text(_overrides(c.overrides)), f"{c.background_kl_exact:.3g}", f"{c.dev_removal:.3f}",
+                  f"{c.dev_residual:.4g}",
                   f"{c.dev_residual_worst:.4g}", "yes" if c.within_budget else "no",
                   "yes" if c.on_frontier else "no", "[bold]yes[/]" if c.chosen else "")
     console.print(t)

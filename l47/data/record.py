@@ -156,11 +156,12 @@ class SweepCandidate:
     name: str  # "c1", "c2", ... in grid order
     overrides: dict  # the solver keys it sets over the resolved config (e.g. {"kl_budget": 0.0025, ...})
     background_kl_exact: float  # mean KL(base ‖ shipped) at the solve's background positions
+    dev_removal: float  # mean over phrases of log max(dev residual, configured target): lower = more removal
     dev_residual: float  # pooled dev p(rejected) after / before
     dev_residual_worst: float  # the largest per-phrase dev residual (phrases with dev events)
     dev_residual_per_phrase: dict[str, float]  # phrase -> mean after / mean before on its dev events
     within_budget: bool  # background_kl_exact ≤ the sweep's KL budget
-    on_frontier: bool  # no other candidate has ≤ KL and ≤ worst and ≤ pooled residual, one strictly
+    on_frontier: bool  # no other candidate has ≤ removal score, ≤ worst residual and ≤ KL, one strictly
     chosen: bool
     stop_reason: str | None = None  # the solver's (SolveClaims.convergence)
 
