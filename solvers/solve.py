@@ -249,10 +249,11 @@ def fit_anchors(plan: "SolvePlan", sel: Selection, log) -> tuple[Selection, Anch
     must = list(range(n_col, cand.P))  # turn ends of the solver's own chats: always kept
     choice = choose_anchors(cand.hh, must, budget, tol=cfg.wfld.anchor_tol)
     kept_col = sorted(i for i in choice.kept if i < n_col)
-    if len(must) > budget:
+    if len(must) > budget:  # turn ends are kept whatever the budget; collateral only where it adds span
         log(f"anchors: the {len(must)} turn ends alone exceed the anchors budget {budget} "
-            f"(= {cfg.anchors_budget:g} × f = {w.f}); all kept, no collateral anchor")
-    if len(kept_col) < n_col:
+            f"(= {cfg.anchors_budget:g} × f = {w.f}); all kept, and {len(kept_col)} of {n_col} collateral anchors "
+            f"(those that add span beyond them, rank {choice.rank})")
+    elif len(kept_col) < n_col:
         log(f"anchors: {n_col} collateral + {len(must)} turn ends would span more than the budget {budget} "
             f"(= {cfg.anchors_budget:g} × f); kept {len(kept_col)} collateral anchors chosen for span, rank "
             f"{choice.rank}; the dropped ones keep ≤ {choice.uncovered:.0%} of their key outside the kept span")
@@ -294,8 +295,9 @@ def build_problem(plan: SolvePlan, sel: Selection) -> Problem:
 def describe(sel: Selection, prob: Problem) -> str:
     return (f"solve: {len(sel.train)} train events, {len(sel.dev)} dev events, {len(sel.near)} near misses, "
             f"{0 if prob.anchors is None else prob.anchors.P} anchors ({len(sel.turn_ends)} of them turn ends of "
-            f"the solver's chats), {prob.background.P} background positions (every {sel.stride}th of "
-            f"{sel.background_total}) from {sel.background_docs} documents")
+            f"the solver's chats), {prob.background.P} background positions "
+            f"({'every row' if sel.stride == 1 else f'one row in {sel.stride}'} of {sel.background_total}, prefix rows "
+            f"left out) from {sel.background_docs} documents")
 
 
 def check_feasible(plan: "SolvePlan", sel: Selection, prob: "Problem"):
