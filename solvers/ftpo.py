@@ -266,7 +266,7 @@ def _phrase_residuals(p0: np.ndarray, p1: np.ndarray, phrase: list[str]) -> dict
     return out
 
 
-def _removal_score(res: dict[str, float], target: float) -> float:
+def removal_score(res: dict[str, float], target: float) -> float:
     """Mean over phrases of log max(residual, target): lower is more removal; every phrase at target = log t."""
     return float(np.mean([math.log(max(v, target)) for v in res.values()])) if res else 0.0
 
@@ -491,7 +491,7 @@ class _Judge:
             kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
         judge = {**tr, **dv}  # dev where a phrase has dev events, else train
-        key = (_removal_score(judge, t), kl)
+        key = (removal_score(judge, t), kl)
         dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
                                     kl_dev_hi <= pb.dev_kl_limit)
         ok = kl <= pb.kl_budget and dev_ok and not flips and not ends_lost["dev"] and not ends_lost["anchors"]

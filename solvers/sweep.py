@@ -66,13 +66,13 @@ def apply_overrides(cfg, ov: dict):
 
 def dev_figures(claims: rec.SolveClaims, target: float) -> tuple[float, float, float, dict[str, float]]:
     """(removal score, pooled, worst phrase, per phrase) of a candidate's claims: dev residual p_after / p_before
-    per phrase; the score is FTPO's (l47.solvers.ftpo._removal_score: mean over phrases of log max(residual,
+    per phrase; the score is FTPO's (l47.solvers.ftpo.removal_score: mean over phrases of log max(residual,
     target); lower = more removal, a phrase below the target counts as at it)."""
-    from l47.solvers.ftpo import _removal_score
+    from l47.solvers.ftpo import removal_score
 
     d = claims.dev_p_rejected
     per = {ph: d.per_phrase_after[ph] / b for ph, b in d.per_phrase_before.items() if b > 0}
-    return _removal_score(per, target), d.after / d.before, max(per.values()), per
+    return removal_score(per, target), d.after / d.before, max(per.values()), per
 
 
 def _key(c: rec.SweepCandidate) -> tuple[float, float, float]:
