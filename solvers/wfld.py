@@ -24,7 +24,8 @@ linear prediction), at every training event e (rejected token r, chosen natural 
     ℓ_r − ℓ_c   ≤ log(p_cap / (1 − p_cap))      (optional absolute margin: for near-certain slop a change-based
                                                  margin alone leaves p(rejected) ≈ 1; a logit difference, so it
                                                  does not saturate the way log p_r does)
-Far targets are approached by continuation: each Gauss–Newton step moves a row's target by at most max_step.
+Far targets are approached by continuation: each Gauss–Newton step moves a row's target by at most
+min(max_step, ½ r), r the trust radius below.
 and exactly ΔW·hh_a = 0 at every protected anchor a (ΔW = Y Bᵀ with B an orthonormal basis of the anchors'
 null space; no approximation).
 
@@ -35,6 +36,25 @@ Solution (per step): with M = ρ I + β c A'⊗G (A' = Bᵀ A B), eigen-bases G 
 D[a, b] = 1 / (ρ + β γ_a α_b), every constraint is rank one (g_i h_iᵀ) so the dual Gram K = C M⁻¹ Cᵀ [m, m]
 is assembled from per-event-pair kernels without forming M. The dual  min_{μ ≥ 0} ½ μᵀ K μ + μᵀ b'  is solved
 exactly by NNLS on its Cholesky factor; the primal is ΔW = −U_G (D ⊙ Ĝᵀ diag(μ) Ĥ) U_Aᵀ Bᵀ.
+Trust region (on the linearised rows, in nats; model-agnostic): every step's QP also bounds EVERY linearised row
+i (margin, chosen, special-mass rows alike) in both directions, |⟨∇c_i, ΔW − ΔW_k⟩| ≤ r, as two more rows of the
+dual ([C; −C], bounds [b; r − ⟨∇c, ΔW_k⟩]). Why (measured, docs/BENCHMARKS.md "Issue 16, fourth perf pass"):
+on the bench world the unbounded step moved the δ_cho rows (Δ log p of a chosen token, which cannot exceed
+−log p_c) by ~140 nats while the exact changes are linear only up to a few nats, so every line-search fraction
+was worse than not moving and WFLD shipped ΔW = 0. The targets move by at most ½ r so the two bounds of one row
+are never both active (the passive sets of the dual stay positive definite). Bounding the rows alone was not
+enough there: the QP also resets the iterate's component in the rows' null space to the objective's minimum, a
+large ΔW move no row sees, and the exact rows still left the prediction by 0.8 nats at r = 0.002 nats. So the
+step pulls towards that minimum only a fraction θ = min(1, r / TR_RADIUS0) of the way: the step's objective is
+½ ‖Ŷ − (1 − θ) Ŷ_k‖²_M (at Ŷ_k = 0, and whenever r ≥ TR_RADIUS0, the undamped one; `tr_qp_step`). The trial
+is judged by the exact forward with the merit φ = max_i (c_i − bound_i)₊ (the real bounds, not the step's),
+the standard rule (Nocedal & Wright, Numerical Optimization, Alg. 4.1) on ϱ = (φ_k − φ_trial) / (φ_k − φ_linear)
+(at a feasible iterate, φ_k ≤ gn_tol: ϱ = 1 when the trial stays feasible, else 0):
+    ϱ ≤ TR_ACCEPT (0)    rejected: r ← TR_SHRINK·r (¼), re-solved from the same iterate;
+    ϱ < TR_BAD (¼)       accepted, r ← TR_SHRINK·r;
+    ϱ > TR_GOOD (¾)      accepted, r ← min(TR_GROW·r, TR_MAX) (2×, 8 nats) when the radius limited the step;
+starting at TR_RADIUS0 = 1 nat. When r falls below TR_MIN (1e-3 nats) no step lowers φ: line_search_failed.
+
 Precision: forward and gradients in f32; every solve step in f64.
 """
 
@@ -53,13 +73,19 @@ from l47.tail.forward import logits_at, streamed_kl
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.fisher import fisher_factors, mu_lse
 
+# trust region on the linearised rows (nats; module docstring): the standard ratio rule's constants
+TR_RADIUS0 = 1.0  # initial radius
+TR_MIN = 1e-3  # below it no step lowers the merit: line_search_failed
+TR_MAX = 8.0
+TR_ACCEPT, TR_BAD, TR_GOOD = 0.0, 0.25, 0.75  # ratio thresholds: reject / shrink / grow
+TR_SHRINK, TR_GROW = 0.25, 2.0
+
 
 @dataclass(frozen=True)
 class WfldConfig:
     margin: float = 2.0  # nats, times the phrase's scale
     p_cap: float = 0.0  # > 0: absolute FTPO margin too: ℓ_r − ℓ_c ≤ log(p_cap / (1 − p_cap)) after the edit
     max_step: float = 1.5  # nats: per Gauss–Newton step, a constraint's target moves at most this far (continuation)
-    step_sizes: tuple = (1.0, 0.5, 0.25)  # backtracking fractions of each Gauss–Newton step
     delta_cho: float = 0.05  # nats; > 0 so freed mass goes to natural alternatives (0 = the seed's v3.1 setting)
     n_chosen: int = 1
     ridge: float = 1e-2  # ρ relative to mean(γ)·mean(α)
@@ -92,7 +118,7 @@ class WfldResult:
     predicted_bg_kl: float  # the KL model's prediction at the returned step (made before the exact forward)
     exact_bg_kl: float  # the exact streamed mean background KL at the returned ΔW (float, before re-quantisation)
     fisher_tail_mass: float
-    stop_reason: str = ""  # l47.data.record.STOP_REASONS: converged | iteration_cap
+    stop_reason: str = ""  # l47.data.record.STOP_REASONS: converged | iteration_cap | line_search_failed
     tolerance: float = 0.0  # nats: what `violation` is judged against
     warnings: list[str] = field(default_factory=list)
 
@@ -287,6 +313,7 @@ class _State:
     curv: float = 1.0  # c: the K-FAC quadratic's scale, fitted to the exact KL at the last accepted ΔW
     pred: np.ndarray | None = None  # [m] the linear prediction of the constraint values at ΔW
     cached: tuple | None = None  # the accepted trial's constraints: the next linearisation point, not redone
+    radius: float = TR_RADIUS0  # nats: the trust region on every linearised row's change per step
 
 
 def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Batch, anchors: Batch | None,
@@ -362,70 +389,118 @@ def _measure(c: tuple, st: _State, cfg: WfldConfig, it: int) -> tuple[dict, tupl
 
 
 def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> bool:
-    """One Gauss–Newton step from the linearisation `c` at the iterate: targets moved by at most max_step
-    (continuation), the dual solved, the step damped on the exact forward, and re-solved while the KL model
-    and the exact KL disagree (at most kl_retries times). Updates `st`; the KL attempts and the line search's
-    merits go into `row`. Returns False, leaving `st` as it was, when no step size lowered the merit (the max
-    violation of the step's targets, `_merit`) below the iterate's own: the step failed, and since a next step
-    from the same iterate would be the same step, the solve stops (line_search_failed)."""
-    vals, grads, bounds, evr, _, _ = c
+    """One trust-region Gauss–Newton step from the linearisation `c` at the iterate (module docstring): the QP
+    with every linearised row's change bounded by the radius, its trial judged on the exact forward (rejected:
+    the radius shrunk, re-solved from the same iterate), then re-solved while the KL model and the exact KL
+    disagree (at most kl_retries times). Updates `st` (iterate, radius); every trial's radius, merits, ratio and
+    the linear model's worst error per row kind go into row["trust_region"]. Returns False, leaving the iterate
+    as it was, when the radius fell below TR_MIN without a trial that lowered the merit (line_search_failed)."""
+    vals, grads, bounds, evr, kinds, _ = c
     Gh = grads @ m.UG  # [m, n] constraint gradients in the G-eigenbasis
     Hrow = m.Hh[torch.as_tensor(evr, device=pb.w.device)]  # [m, f']
     cur = (Gh * ((m.UG.T @ st.Y @ m.UA) @ Hrow.T).T).sum(1).cpu().numpy()  # ⟨A_i, ΔW_k⟩
-    step_b = np.maximum(bounds, vals - pb.cfg.max_step)  # continuation: move each target ≤ max_step per step
-    b_lin = step_b - vals + cur
+    phi0 = _merit(vals, bounds)
+    Yk = m.UG.T @ st.Y @ m.UA  # [n, f'] the iterate in the eigenbases
+    trials = row.setdefault("trust_region", [])
     for attempt in range(pb.cfg.kl_retries + 1):
-        D = m.inverse_diag(pb.cfg.bg_weight * st.curv)  # [n, f']
-        mu = _nnls_dual(_dual_gram(Gh, m.Hh, D, evr), b_lin)
-        mu_t = torch.as_tensor(mu, dtype=torch.float64, device=pb.w.device)
-        Yhat = -D * (Gh.T @ (mu_t[:, None] * Hrow))  # [n, f']
-        new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()
-        merit, alpha, Y_try, dW_try, c_try = _line_search(pb, st.Y, m.UG @ Yhat @ m.UA.T, step_b)
-        merit0 = _merit(vals, step_b)
-        row["line_search"] = dict(merit_before=merit0, merit_after=merit, step=alpha)
-        if merit >= merit0 - 1e-9 and merit0 > pb.cfg.gn_tol:
+        while True:
+            D = m.inverse_diag(pb.cfg.bg_weight * st.curv)  # [n, f']
+            Yhat, new_lin, limited = tr_qp_step(Gh, m.Hh, Hrow, D, evr, vals, bounds, cur, st.radius,
+                                                pb.cfg.max_step, Yk)
+            pred = vals + (new_lin - cur)  # [m] the linear model's values at the trial
+            Y_try = m.UG @ Yhat @ m.UA.T  # [n, f']
+            dW_try = (Y_try @ pb.B.T).to(torch.float32)  # [n, f]
+            c_try = pb.constraints(dW_try)
+            phi, phi_lin = _merit(c_try[0], bounds), _merit(pred, bounds)
+            ratio = tr_ratio(phi0, phi_lin, phi, pb.cfg.gn_tol)
+            r_old, st.radius = st.radius, tr_update(st.radius, ratio, limited)
+            trials.append(dict(radius=r_old, merit_before=phi0, merit_predicted=phi_lin, merit_after=phi, ratio=ratio,
+                               accepted=ratio > TR_ACCEPT, max_linear_change=float(np.abs(new_lin - cur).max()),
+                               worst_error=_worst_error(c_try[0], pred, kinds)))
+            if ratio > TR_ACCEPT:
+                break
             if log:
-                log(f"WFLD GN step {row['iter']}: line search failed: the least violating step ({alpha:g}) "
-                    f"violates the step's targets by {merit:.4g} nats, the iterate itself by {merit0:.4g}")
-            return False
-        kl_try, kl_pred, honest = _kl_check(pb, m, st, (alpha, Y_try, dW_try), row, log)
+                log(f"WFLD GN step {row['iter']}: trust region {r_old:.3g} nats rejected (merit {phi0:.4g} -> "
+                    f"{phi:.4g}, linear model {phi_lin:.4g}): radius {st.radius:.3g}")
+            if st.radius < TR_MIN:
+                row["line_search"] = dict(merit_before=phi0, merit_after=phi, radius=r_old)
+                return False
+        row["line_search"] = dict(merit_before=phi0, merit_after=phi, radius=r_old)
+        kl_try, kl_pred, honest = _kl_check(pb, m, st, (r_old, Y_try, dW_try), row, log)
         if honest:
             break
     st.Y, st.dW, st.cached = Y_try, dW_try, c_try
     st.kl, st.kl_pred = kl_try, kl_pred
-    st.pred = vals + alpha * (new_lin - cur)
+    st.pred = pred
     return True
 
 
-def _merit(vals: np.ndarray, step_b: np.ndarray) -> float:
-    """The line search's merit: the max violation (nats, ≥ 0) of the step's targets step_b [m] by values [m]."""
-    return float(np.clip(vals - step_b, 0, None).max())
+def tr_qp_step(Gh: torch.Tensor, Hh: torch.Tensor, Hrow: torch.Tensor, D: torch.Tensor, evr: np.ndarray,
+               vals: np.ndarray, bounds: np.ndarray, cur: np.ndarray, radius: float, max_step: float,
+               Yk: torch.Tensor | None = None):
+    """The step's QP in the metric's eigenbases, from the iterate Ŷ_k (Yk [n, f'], None = 0):
+        min ½ ‖Ŷ − (1 − θ) Ŷ_k‖²_M   (θ = min(1, r / TR_RADIUS0): a damped pull towards the objective's minimum)
+    s.t. for every row i (gradient Ĝ_i ⊗ Ĥ_e(i), linearised value vals_i + ⟨A_i, Ŷ⟩ − cur_i):
+        ⟨A_i, Ŷ⟩ − cur_i ≤ min(t_i − vals_i, r),  t_i = max(bound_i, vals_i − min(max_step, ½ r))
+        ⟨A_i, Ŷ⟩ − cur_i ≥ −r
+    solved as Ŷ = (1 − θ) Ŷ_k + θ Z, Z the M-least-norm point of the same rows with bounds shifted and divided by
+    θ, through its dual on [C; −C] (K → [[K, −K], [−K, K]]). Shapes: Gh [m, n], Hh [E, f'], Hrow [m, f'],
+    D [n, f'], vals / bounds / cur [m]. Returns Ŷ [n, f'], the new linearised values ⟨A_i, Ŷ⟩ [m] and whether
+    the radius limited the step (a target clipped by it, or a row's change at the radius)."""
+    move = min(max_step, 0.5 * radius)
+    theta = 1.0 if Yk is None else min(1.0, radius / TR_RADIUS0)
+    t = np.maximum(bounds, vals - move)  # [m] the step's targets (continuation)
+    up = np.minimum(t - vals, radius) + cur  # [m] ⟨A_i, Ŷ⟩ ≤ up
+    lo = cur - radius  # [m] ⟨A_i, Ŷ⟩ ≥ lo
+    keep = (1.0 - theta) * cur  # [m] what the damped iterate keeps of the rows
+    K = _dual_gram(Gh, Hh, D, evr)  # [m, m]
+    K2 = torch.cat([torch.cat([K, -K], 1), torch.cat([-K, K], 1)], 0)  # [2m, 2m]
+    mu2 = _nnls_dual(K2, np.concatenate([(up - keep) / theta, -(lo - keep) / theta]))
+    m = len(vals)
+    mu = torch.as_tensor(mu2[:m] - mu2[m:], dtype=torch.float64, device=Gh.device)  # [m] net multiplier
+    Z = -D * (Gh.T @ (mu[:, None] * Hrow))  # [n, f']
+    Yhat = theta * Z if Yk is None or theta == 1.0 else (1.0 - theta) * Yk + theta * Z
+    new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()  # [m]
+    clipped = bool(((vals - bounds) > move + 1e-12).any()) and 0.5 * radius < max_step
+    limited = clipped or bool((np.abs(new_lin - cur) >= (1 - 1e-6) * radius).any())
+    return Yhat, new_lin, limited
 
 
-def _line_search(pb: _Problem, Y: torch.Tensor, Y_new: torch.Tensor, step_b: np.ndarray) -> tuple:
-    """Damped step (backtracking on the exact forward): far from the linearisation point the log-probs of
-    small-probability tokens move non-linearly, and a full step can overshoot. Returns the first step size whose
-    exact violation of the step's targets is within tolerance, else the least violating one:
-    (its merit, α, Y, ΔW, its constraints)."""
-    best = None
-    for alpha in pb.cfg.step_sizes:
-        Y_try = Y + alpha * (Y_new - Y)
-        dW_try = (Y_try @ pb.B.T).to(torch.float32)  # [n, f]
-        c_try = pb.constraints(dW_try)
-        score = _merit(c_try[0], step_b)
-        if best is None or score < best[0] - 1e-9:
-            best = (score, alpha, Y_try, dW_try, c_try)
-        if score <= pb.cfg.gn_tol:
-            break
-    return best
+def _worst_error(exact: np.ndarray, pred: np.ndarray, kinds: list[str]) -> dict:
+    """Per constraint kind: the max |exact − linear prediction| of a trial (nats), where the linear model fails."""
+    err = np.abs(exact - pred)
+    return {k: float(err[[i for i, x in enumerate(kinds) if x == k]].max()) for k in sorted(set(kinds))}
+
+
+def tr_ratio(phi0: float, phi_lin: float, phi: float, tol: float) -> float:
+    """The trust-region ratio ϱ of actual to predicted merit decrease (merits in nats, ≥ 0). At a feasible
+    iterate (φ_k ≤ tol) there is nothing to decrease: ϱ = 1 when the trial stays within tol, else 0."""
+    if phi0 <= tol:
+        return 1.0 if phi <= tol else 0.0
+    return (phi0 - phi) / max(phi0 - phi_lin, 1e-12)
+
+
+def tr_update(radius: float, ratio: float, limited: bool) -> float:
+    """The standard radius rule (Nocedal & Wright Alg. 4.1) with the module's constants: shrink on a poor ratio,
+    grow (to at most TR_MAX) on a good one when the radius limited the step."""
+    if ratio < TR_BAD:
+        return TR_SHRINK * radius
+    if ratio > TR_GOOD and limited:
+        return min(TR_GROW * radius, TR_MAX)
+    return radius
+
+
+def _merit(vals: np.ndarray, bounds: np.ndarray) -> float:
+    """The trust region's merit: the max violation (nats, ≥ 0) of the bounds [m] by values [m]."""
+    return float(np.clip(vals - bounds, 0, None).max())
 
 
 def _kl_check(pb: _Problem, m: Metric, st: _State, trial: tuple, row: dict, log) -> tuple[float, float, bool]:
-    """The KL model's prediction for the trial step (α, Y, ΔW) made before the exact forward, then the exact KL;
+    """The KL model's prediction for the trial step (radius, Y, ΔW) made before the exact forward, then the exact KL;
     the curvature scale c (st.curv) is re-fitted to the value the exact KL implies along this ΔW (what the
     top-K / factorised / base-point metric misses along the direction the solver takes). Returns (exact,
     predicted, honest: within [½, 2] of each other or both below the noise floor)."""
-    alpha, Y_try, dW_try = trial
+    radius, Y_try, dW_try = trial
     Yt_hat = m.UG.T @ Y_try @ m.UA
     quad = 0.5 * float((m.gam[:, None] * m.alp[None, :] * Yt_hat.pow(2)).sum())  # ½ tr(ΔWᵀ G ΔW A)
     kl_pred = st.curv * quad
@@ -433,7 +508,7 @@ def _kl_check(pb: _Problem, m: Metric, st: _State, trial: tuple, row: dict, log)
     ratio = kl_try / kl_pred if kl_pred > 0 else float("inf")
     honest = 0.5 <= ratio <= 2.0 or max(kl_try, kl_pred) < pb.cfg.kl_floor
     row.setdefault("kl_attempts", []).append(dict(kl_exact=kl_try, kl_predicted=kl_pred, curvature_scale=st.curv,
-                                                  step=alpha))
+                                                  radius=radius))
     new_curv = kl_try / quad if quad > 0 and kl_try > 0 else st.curv
     if log and not honest:
         log(f"WFLD GN step {row['iter']}: background KL exact {kl_try:.3g} vs predicted {kl_pred:.3g} "

@@ -92,43 +92,7 @@ def test_wfld_reports_infeasible_event_in_protected_span(setup):
     assert any("protected" in x for x in res.warnings)
 
 
-def test_wfld_stops_when_no_step_size_lowers_the_merit(setup, monkeypatch):
-    """A Gauss–Newton step none of whose step sizes lowers the max violation of the step's targets ends the solve
-    at once (line_search_failed: a next step from the same iterate is the same step) instead of running to the
-    iteration cap; the iterate is kept (ΔW = 0, its violation the base's: the margin, 2 nats, from log-softmax
-    here). Forced by step sizes of 40× and 25× the Gauss–Newton step, which overshoot."""
-    import l47.solvers.wfld as wf
-
-    w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
-    calls = []
-    orig = wf._problem
-
-    def counted(*a, **k):  # count the exact constraint evaluations
-        pb = orig(*a, **k)
-        return _Counted(pb, calls)
-    monkeypatch.setattr(wf, "_problem", counted)
-    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0, step_sizes=(40.0, 25.0)))
-    assert res.stop_reason == "line_search_failed"
-    assert len(res.iterations) == 1 and len(calls) == 1 + 2  # the base, then the two trials; no second step
-    ls = res.iterations[0]["line_search"]
-    assert ls["merit_after"] >= ls["merit_before"] == pytest.approx(1.5)  # min(margin, max_step)
-    assert torch.count_nonzero(res.dW) == 0
-    # at ΔW = 0 every change is 0: the margin rows (bound −2) violate by 2, δ_cho by 0.05, the specials by 0.1
-    assert res.violation == pytest.approx(2.0, abs=1e-9) and res.residual != res.residual  # no prediction: NaN
-
-
-class _Counted:
-    """A WFLD problem whose exact constraint evaluations are counted."""
-
-    def __init__(self, pb, calls):
-        self._pb, self._calls = pb, calls
-
-    def __getattr__(self, name):
-        return getattr(self._pb, name)
-
-    def constraints(self, dW):
-        self._calls.append(float(dW.abs().max()))
-        return self._pb.constraints(dW)
+# the trust region's failed search (line_search_failed), its radius rule and the step's QP: tests/test_wfld_trust.py
 
 
 def test_wfld_is_deterministic(setup):
