@@ -400,13 +400,12 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> b
     Hrow = m.Hh[torch.as_tensor(evr, device=pb.w.device)]  # [m, f']
     cur = (Gh * ((m.UG.T @ st.Y @ m.UA) @ Hrow.T).T).sum(1).cpu().numpy()  # ⟨A_i, ΔW_k⟩
     phi0 = _merit(vals, bounds)
-    Yk = m.UG.T @ st.Y @ m.UA  # [n, f'] the iterate in the eigenbases
+    lin = Linearised(Gh, Hrow, evr, vals, bounds, cur, m.UG.T @ st.Y @ m.UA)
     trials = row.setdefault("trust_region", [])
     for attempt in range(pb.cfg.kl_retries + 1):
         while True:
             D = m.inverse_diag(pb.cfg.bg_weight * st.curv)  # [n, f']
-            Yhat, new_lin, limited = tr_qp_step(Gh, m.Hh, Hrow, D, evr, vals, bounds, cur, st.radius,
-                                                pb.cfg.max_step, Yk)
+            Yhat, new_lin, limited = tr_qp_step(lin, m.Hh, D, st.radius, pb.cfg.max_step)
             pred = vals + (new_lin - cur)  # [m] the linear model's values at the trial
             Y_try = m.UG @ Yhat @ m.UA.T  # [n, f']
             dW_try = (Y_try @ pb.B.T).to(torch.float32)  # [n, f]
@@ -435,35 +434,45 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> b
     return True
 
 
-def tr_qp_step(Gh: torch.Tensor, Hh: torch.Tensor, Hrow: torch.Tensor, D: torch.Tensor, evr: np.ndarray,
-               vals: np.ndarray, bounds: np.ndarray, cur: np.ndarray, radius: float, max_step: float,
-               Yk: torch.Tensor | None = None):
-    """The step's QP in the metric's eigenbases, from the iterate Ŷ_k (Yk [n, f'], None = 0):
+@dataclass(frozen=True)
+class Linearised:
+    """One step's linear model in the metric's eigenbases: rows' gradients Ĝ [m, n] and keys Ĥ [m, f'] (row i's
+    gradient is Ĝ_i ⊗ Ĥ_i), each row's event `evr` [m], exact values and bounds [m] at the iterate, the iterate's
+    linear term cur_i = ⟨A_i, Ŷ_k⟩ [m] and the iterate Ŷ_k [n, f'] (None = 0). f64."""
+    Gh: torch.Tensor
+    Hrow: torch.Tensor
+    evr: np.ndarray
+    vals: np.ndarray
+    bounds: np.ndarray
+    cur: np.ndarray
+    Yk: torch.Tensor | None = None
+
+
+def tr_qp_step(lin: Linearised, Hh: torch.Tensor, D: torch.Tensor, radius: float, max_step: float):
+    """The step's QP in the metric's eigenbases, from the iterate Ŷ_k:
         min ½ ‖Ŷ − (1 − θ) Ŷ_k‖²_M   (θ = min(1, r / TR_RADIUS0): a damped pull towards the objective's minimum)
-    s.t. for every row i (gradient Ĝ_i ⊗ Ĥ_e(i), linearised value vals_i + ⟨A_i, Ŷ⟩ − cur_i):
+    s.t. for every row i (linearised value vals_i + ⟨A_i, Ŷ⟩ − cur_i):
         ⟨A_i, Ŷ⟩ − cur_i ≤ min(t_i − vals_i, r),  t_i = max(bound_i, vals_i − min(max_step, ½ r))
         ⟨A_i, Ŷ⟩ − cur_i ≥ −r
     solved as Ŷ = (1 − θ) Ŷ_k + θ Z, Z the M-least-norm point of the same rows with bounds shifted and divided by
-    θ, through its dual on [C; −C] (K → [[K, −K], [−K, K]]). Shapes: Gh [m, n], Hh [E, f'], Hrow [m, f'],
-    D [n, f'], vals / bounds / cur [m]. Returns Ŷ [n, f'], the new linearised values ⟨A_i, Ŷ⟩ [m] and whether
-    the radius limited the step (a target clipped by it, or a row's change at the radius)."""
+    θ, through its dual on [C; −C] (K → [[K, −K], [−K, K]]). Hh [E, f'] the events' keys, D [n, f'] = M⁻¹.
+    Returns Ŷ [n, f'], the new linearised values ⟨A_i, Ŷ⟩ [m] and whether the radius limited the step (a target
+    clipped by it, or a row's change at the radius)."""
+    vals, bounds, cur, m = lin.vals, lin.bounds, lin.cur, len(lin.vals)
     move = min(max_step, 0.5 * radius)
-    theta = 1.0 if Yk is None else min(1.0, radius / TR_RADIUS0)
-    t = np.maximum(bounds, vals - move)  # [m] the step's targets (continuation)
-    up = np.minimum(t - vals, radius) + cur  # [m] ⟨A_i, Ŷ⟩ ≤ up
+    theta = 1.0 if lin.Yk is None else min(1.0, radius / TR_RADIUS0)
+    up = np.minimum(np.maximum(bounds, vals - move) - vals, radius) + cur  # [m] ⟨A_i, Ŷ⟩ ≤ up (the targets)
     lo = cur - radius  # [m] ⟨A_i, Ŷ⟩ ≥ lo
     keep = (1.0 - theta) * cur  # [m] what the damped iterate keeps of the rows
-    K = _dual_gram(Gh, Hh, D, evr)  # [m, m]
+    K = _dual_gram(lin.Gh, Hh, D, lin.evr)  # [m, m]
     K2 = torch.cat([torch.cat([K, -K], 1), torch.cat([-K, K], 1)], 0)  # [2m, 2m]
     mu2 = _nnls_dual(K2, np.concatenate([(up - keep) / theta, -(lo - keep) / theta]))
-    m = len(vals)
-    mu = torch.as_tensor(mu2[:m] - mu2[m:], dtype=torch.float64, device=Gh.device)  # [m] net multiplier
-    Z = -D * (Gh.T @ (mu[:, None] * Hrow))  # [n, f']
-    Yhat = theta * Z if Yk is None or theta == 1.0 else (1.0 - theta) * Yk + theta * Z
-    new_lin = (Gh * (Yhat @ Hrow.T).T).sum(1).cpu().numpy()  # [m]
+    mu = torch.as_tensor(mu2[:m] - mu2[m:], dtype=torch.float64, device=lin.Gh.device)  # [m] net multiplier
+    Z = -D * (lin.Gh.T @ (mu[:, None] * lin.Hrow))  # [n, f']
+    Yhat = theta * Z if lin.Yk is None or theta == 1.0 else (1.0 - theta) * lin.Yk + theta * Z
+    new_lin = (lin.Gh * (Yhat @ lin.Hrow.T).T).sum(1).cpu().numpy()  # [m]
     clipped = bool(((vals - bounds) > move + 1e-12).any()) and 0.5 * radius < max_step
-    limited = clipped or bool((np.abs(new_lin - cur) >= (1 - 1e-6) * radius).any())
-    return Yhat, new_lin, limited
+    return Yhat, new_lin, clipped or bool((np.abs(new_lin - cur) >= (1 - 1e-6) * radius).any())
 
 
 def _worst_error(exact: np.ndarray, pred: np.ndarray, kinds: list[str]) -> dict:

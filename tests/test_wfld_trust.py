@@ -43,7 +43,8 @@ def _step(setup, radius: float, cfg=WfldConfig(), Yk=None):
     Hrow = m.Hh[torch.as_tensor(evr)]
     D = m.inverse_diag(cfg.bg_weight)
     cur = np.zeros(len(vals)) if Yk is None else (Gh * (Yk @ Hrow.T).T).sum(1).numpy()
-    Yhat, new_lin, limited = wf.tr_qp_step(Gh, m.Hh, Hrow, D, evr, vals, bounds, cur, radius, cfg.max_step, Yk)
+    Yhat, new_lin, limited = wf.tr_qp_step(wf.Linearised(Gh, Hrow, evr, vals, bounds, cur, Yk), m.Hh, D, radius,
+                                           cfg.max_step)
     return pb, c, Gh, Hrow, D, Yhat, new_lin, limited, m, cur
 
 
