@@ -49,11 +49,13 @@ step pulls towards that minimum only a fraction θ = min(1, r / TR_RADIUS0) of t
 ½ ‖Ŷ − (1 − θ) Ŷ_k‖²_M (at Ŷ_k = 0, and whenever r ≥ TR_RADIUS0, the undamped one; `tr_qp_step`). The trial
 is judged by the exact forward with the merit φ = max_i (c_i − bound_i)₊ (the real bounds, not the step's),
 the standard rule (Nocedal & Wright, Numerical Optimization, Alg. 4.1) on ϱ = (φ_k − φ_trial) / (φ_k − φ_linear)
-(at a feasible iterate, φ_k ≤ gn_tol: ϱ = 1 when the trial stays feasible, else 0):
+(at a feasible iterate, φ_k ≤ gn_tol, where the step lowers the objective: ϱ = 1 − max_i |c_i − linear_i| / r):
     ϱ ≤ TR_ACCEPT (0)    rejected: r ← TR_SHRINK·r (¼), re-solved from the same iterate;
     ϱ < TR_BAD (¼)       accepted, r ← TR_SHRINK·r;
     ϱ > TR_GOOD (¾)      accepted, r ← min(TR_GROW·r, TR_MAX) (2×, 8 nats) when the radius limited the step;
 starting at TR_RADIUS0 = 1 nat. When r falls below TR_MIN (1e-3 nats) no step lowers φ: line_search_failed.
+A damped step (θ < 1) counts as limited by the radius, and `converged` needs an undamped last step (θ = 1: the
+iterate is its linearisation's optimum, not a point on the way to it).
 
 Precision: forward and gradients in f32; every solve step in f64.
 """
@@ -314,6 +316,7 @@ class _State:
     pred: np.ndarray | None = None  # [m] the linear prediction of the constraint values at ΔW
     cached: tuple | None = None  # the accepted trial's constraints: the next linearisation point, not redone
     radius: float = TR_RADIUS0  # nats: the trust region on every linearised row's change per step
+    undamped: bool = True  # the last step went the whole way to its QP's optimum (θ = 1): converged may be said
 
 
 def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Batch, anchors: Batch | None,
@@ -336,7 +339,7 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
             log(f"WFLD GN step {it}: {row['rows']} constraints, max violation {row['violation']:.4g} nats, "
                 f"linear-prediction residual {row['residual']:.3g}, background KL exact {st.kl:.3g} "
                 f"(predicted {st.kl_pred:.3g})")
-        if st.pred is not None and row["residual"] < cfg.gn_tol and row["violation"] < cfg.gn_tol:
+        if st.pred is not None and row["residual"] < cfg.gn_tol and row["violation"] < cfg.gn_tol and st.undamped:
             stop = rec.STOP_CONVERGED
             break
         if it == cfg.gn_iters:
@@ -411,7 +414,7 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> b
             dW_try = (Y_try @ pb.B.T).to(torch.float32)  # [n, f]
             c_try = pb.constraints(dW_try)
             phi, phi_lin = _merit(c_try[0], bounds), _merit(pred, bounds)
-            ratio = tr_ratio(phi0, phi_lin, phi, pb.cfg.gn_tol)
+            ratio = tr_ratio(phi0, phi_lin, phi, pb.cfg.gn_tol, float(np.abs(c_try[0] - pred).max()), st.radius)
             r_old, st.radius = st.radius, tr_update(st.radius, ratio, limited)
             trials.append(dict(radius=r_old, merit_before=phi0, merit_predicted=phi_lin, merit_after=phi, ratio=ratio,
                                accepted=ratio > TR_ACCEPT, max_linear_change=float(np.abs(new_lin - cur).max()),
@@ -431,6 +434,7 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> b
     st.Y, st.dW, st.cached = Y_try, dW_try, c_try
     st.kl, st.kl_pred = kl_try, kl_pred
     st.pred = pred
+    st.undamped = r_old >= TR_RADIUS0 or not bool(lin.Yk.abs().max() > 0)
     return True
 
 
@@ -457,7 +461,7 @@ def tr_qp_step(lin: Linearised, Hh: torch.Tensor, D: torch.Tensor, radius: float
     solved as Ŷ = (1 − θ) Ŷ_k + θ Z, Z the M-least-norm point of the same rows with bounds shifted and divided by
     θ, through its dual on [C; −C] (K → [[K, −K], [−K, K]]). Hh [E, f'] the events' keys, D [n, f'] = M⁻¹.
     Returns Ŷ [n, f'], the new linearised values ⟨A_i, Ŷ⟩ [m] and whether the radius limited the step (a target
-    clipped by it, or a row's change at the radius)."""
+    clipped by it, the pull damped, or a row's change at the radius)."""
     vals, bounds, cur, m = lin.vals, lin.bounds, lin.cur, len(lin.vals)
     move = min(max_step, 0.5 * radius)
     theta = 1.0 if lin.Yk is None else min(1.0, radius / TR_RADIUS0)
@@ -471,7 +475,7 @@ def tr_qp_step(lin: Linearised, Hh: torch.Tensor, D: torch.Tensor, radius: float
     Z = -D * (lin.Gh.T @ (mu[:, None] * lin.Hrow))  # [n, f']
     Yhat = theta * Z if lin.Yk is None or theta == 1.0 else (1.0 - theta) * lin.Yk + theta * Z
     new_lin = (lin.Gh * (Yhat @ lin.Hrow.T).T).sum(1).cpu().numpy()  # [m]
-    clipped = bool(((vals - bounds) > move + 1e-12).any()) and 0.5 * radius < max_step
+    clipped = theta < 1.0 or (bool(((vals - bounds) > move + 1e-12).any()) and 0.5 * radius < max_step)
     return Yhat, new_lin, clipped or bool((np.abs(new_lin - cur) >= (1 - 1e-6) * radius).any())
 
 
@@ -481,11 +485,12 @@ def _worst_error(exact: np.ndarray, pred: np.ndarray, kinds: list[str]) -> dict:
     return {k: float(err[[i for i, x in enumerate(kinds) if x == k]].max()) for k in sorted(set(kinds))}
 
 
-def tr_ratio(phi0: float, phi_lin: float, phi: float, tol: float) -> float:
+def tr_ratio(phi0: float, phi_lin: float, phi: float, tol: float, err: float, radius: float) -> float:
     """The trust-region ratio ϱ of actual to predicted merit decrease (merits in nats, ≥ 0). At a feasible
-    iterate (φ_k ≤ tol) there is nothing to decrease: ϱ = 1 when the trial stays within tol, else 0."""
+    iterate (φ_k ≤ tol) there is no violation to decrease (the step lowers the objective): ϱ = 1 − err / r, the
+    linear model's agreement (err = max |exact − linear prediction| of the trial's rows, nats)."""
     if phi0 <= tol:
-        return 1.0 if phi <= tol else 0.0
+        return 1.0 - err / radius
     return (phi0 - phi) / max(phi0 - phi_lin, 1e-12)
 
 

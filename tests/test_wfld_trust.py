@@ -102,9 +102,11 @@ def test_radius_rule():
     assert wf.tr_update(r, 0.9, True) == pytest.approx(2.0)  # good and the radius bound: 2×
     assert wf.tr_update(r, 0.9, False) == r  # good but inside the region: unchanged
     assert wf.tr_update(6.0, 0.9, True) == pytest.approx(8.0)  # capped at TR_MAX
-    assert wf.tr_ratio(2.0, 1.5, 1.75, 1e-3) == pytest.approx(0.5)  # half the predicted decrease
-    assert wf.tr_ratio(2.0, 1.5, 2.5, 1e-3) == pytest.approx(-1.0)
-    assert wf.tr_ratio(0.0, 0.0, 5e-4, 1e-3) == 1.0 and wf.tr_ratio(0.0, 0.0, 0.1, 1e-3) == 0.0
+    assert wf.tr_ratio(2.0, 1.5, 1.75, 1e-3, 0.3, 1.0) == pytest.approx(0.5)  # half the predicted decrease
+    assert wf.tr_ratio(2.0, 1.5, 2.5, 1e-3, 0.3, 1.0) == pytest.approx(-1.0)
+    # at a feasible iterate: the linear model's agreement, 1 − err / r
+    assert wf.tr_ratio(0.0, 0.0, 5e-4, 1e-3, 0.05, 0.5) == pytest.approx(0.9)
+    assert wf.tr_ratio(0.0, 0.0, 0.1, 1e-3, 0.75, 0.5) == pytest.approx(-0.5)
 
 
 def test_accepted_steps_stay_within_the_radius_and_converge(setup):
