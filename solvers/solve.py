@@ -351,31 +351,38 @@ class Solved:
 
 def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress) -> Solved:
     from l47.solvers.ftpo import train_ftpo
-    from l47.solvers.wfld import solve_wfld
 
     cfg, w = plan.cfg, plan.w
     torch.manual_seed(cfg.seed)
     if cfg.method == "wfld":
-        if w.numerics.no_f64:  # WFLD's algebra is float64: on the CPU when the device has none (MPS)
-            from l47.model.weights import weights_to
-            from l47.solvers.batch import batch_to
-
-            t = prob.terms
-            res = solve_wfld(weights_to(w, "cpu"), batch_to(prob.events, "cpu"), EventTerms(
-                t.rejected.cpu(), t.chosen.cpu(), t.special.cpu(), t.scale.cpu()), batch_to(prob.background, "cpu"),
-                batch_to(prob.anchors, "cpu"), cfg.wfld, log=log)
-            return Solved(res.dW.to(w.device), res.summary(), res.predicted_bg_kl)
-        res = solve_wfld(w, prob.events, prob.terms, prob.background, prob.anchors, cfg.wfld, log=log)
-        conv = rec.Convergence(stop_reason=res.stop_reason, max_violation=res.violation,
-                               violation_tol=res.tolerance, iterations=len(res.iterations) - 1)
-        if res.violation > res.tolerance:
-            log(f"warning: WFLD ended with a max constraint violation of {res.violation:.3g} nats > tolerance "
-                f"{res.tolerance:g} ({res.stop_reason})")
-        return Solved(res.dW, res.summary(), res.predicted_bg_kl, conv)
+        return wfld_solve(plan, prob, log)
     step = None if progress is None else (lambda r: progress({**r, "steps": cfg.ftpo.steps}))
     res = train_ftpo(w, ftpo_problem(plan, sel, prob), cfg.ftpo, progress=step)
     conv = res.convergence(cfg.target_residual)
     return Solved(res.dW, {**res.summary(), "warnings": res.notes}, None, conv)
+
+
+def wfld_solve(plan: SolvePlan, prob: Problem, log) -> Solved:
+    """WFLD on the problem within the solve's KL budget (`kl_budget`: every accepted iterate's exact background
+    KL within it, solvers/wfld.py), on the CPU when the device has no float64 (MPS: WFLD's algebra is f64)."""
+    from l47.solvers.batch import batch_to
+    from l47.solvers.wfld import solve_wfld
+
+    w, t, dev = plan.w, prob.terms, plan.w.device
+    if w.numerics.no_f64:
+        from l47.model.weights import weights_to
+
+        w, t = weights_to(w, "cpu"), EventTerms(t.rejected.cpu(), t.chosen.cpu(), t.special.cpu(), t.scale.cpu())
+    on = (lambda b: b) if w is plan.w else (lambda b: batch_to(b, "cpu"))
+    res = solve_wfld(w, on(prob.events), t, on(prob.background), on(prob.anchors), plan.cfg.wfld, log=log,
+                     kl_budget=kl_budget(plan))
+    conv = rec.Convergence(stop_reason=res.stop_reason, max_violation=res.violation,
+                           violation_tol=res.tolerance, iterations=len(res.iterations) - 1)
+    if res.violation > res.tolerance:
+        log(f"warning: WFLD ended with a max constraint violation of {res.violation:.3g} nats > tolerance "
+            f"{res.tolerance:g} ({res.stop_reason}; exact background KL {res.exact_bg_kl:.3g}, budget "
+            f"{kl_budget(plan):.3g})")
+    return Solved(res.dW.to(dev), res.summary(), res.predicted_bg_kl, conv)
 
 
 def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):

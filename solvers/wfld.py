@@ -56,6 +56,14 @@ the standard rule (Nocedal & Wright, Numerical Optimization, Alg. 4.1) on ϱ = (
 starting at TR_RADIUS0 = 1 nat. When r falls below TR_MIN (1e-3 nats) no step lowers φ: line_search_failed.
 A damped step (θ < 1) counts as limited by the radius, and `converged` needs an undamped last step (θ = 1: the
 iterate is its linearisation's optimum, not a point on the way to it).
+KL budget (`kl_budget`, nats of mean background KL; `l47 solve` passes solvers/solve.py `kl_budget(plan)`, None =
+no budget): a trial that passes the ratio rule but whose EXACT background KL (the streamed forward above) exceeds
+the budget is rejected like a step that raised the merit (r ← TR_SHRINK·r, re-solved from the same iterate; its
+KL still re-fits c). So every accepted iterate, and the one returned, is within the budget. When the radius falls
+below TR_MIN and a trial of that step was over the budget, the solve stops `budget` (the record's
+STOP_BUDGET) with a note starting "convergence:" (the audit's explanation of a stop short of the constraints),
+else `line_search_failed`. Why (measured, docs/SOLVERS.md): on the pipeline bench world WFLD went on to an exact
+KL of 0.217 nats, 87× the 0.0025 budget, and shipped it.
 
 Precision: forward and gradients in f32; every solve step in f64.
 """
@@ -120,8 +128,9 @@ class WfldResult:
     predicted_bg_kl: float  # the KL model's prediction at the returned step (made before the exact forward)
     exact_bg_kl: float  # the exact streamed mean background KL at the returned ΔW (float, before re-quantisation)
     fisher_tail_mass: float
-    stop_reason: str = ""  # l47.data.record.STOP_REASONS: converged | iteration_cap | line_search_failed
+    stop_reason: str = ""  # l47.data.record.STOP_REASONS: converged | iteration_cap | line_search_failed | budget
     tolerance: float = 0.0  # nats: what `violation` is judged against
+    kl_budget: float | None = None  # nats: the exact background KL every accepted iterate stayed within (None: none)
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -300,6 +309,10 @@ class _Problem:
     warnings: list[str]
     base: dict
     mix0_bg: torch.Tensor  # [P, n] (the KL reference)
+    kl_budget: float | None = None  # nats of mean background KL no accepted iterate may exceed (None: no budget)
+
+    def within_budget(self, kl: float) -> bool:
+        return self.kl_budget is None or kl <= self.kl_budget
 
     def constraints(self, dW: torch.Tensor):
         return _constraints(self.events, self.terms, self.w, self.w.W_sd + dW, self.base, self.cfg, self.active)
@@ -320,11 +333,12 @@ class _State:
 
 
 def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Batch, anchors: Batch | None,
-               cfg: WfldConfig = WfldConfig(), log=None) -> WfldResult:
+               cfg: WfldConfig = WfldConfig(), log=None, kl_budget: float | None = None) -> WfldResult:
     """Minimise ½ρ‖ΔW‖² + β KL_bg(ΔW) s.t. the FTPO margin, δ_cho and special-token constraints at the events
     and ΔW·hh = 0 at the anchors (see the module docstring): Gauss–Newton steps until the exact forward agrees
-    with the linear prediction and every constraint holds; the best exact iterate is returned."""
-    pb = _problem(w, events, terms, background, anchors, cfg)
+    with the linear prediction and every constraint holds, every accepted iterate's exact background KL within
+    `kl_budget` (nats; None: no budget); the best exact iterate is returned."""
+    pb = replace(_problem(w, events, terms, background, anchors, cfg), kl_budget=kl_budget)
     st = _State(Y=torch.zeros(w.n, pb.B.shape[1], dtype=torch.float64, device=w.device),
                 dW=torch.zeros(w.n, w.f, dtype=torch.float32, device=w.device))
     iters: list[dict] = []
@@ -333,7 +347,8 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
         c = st.cached if st.cached is not None else pb.constraints(st.dW)
         row, kept = _measure(c, st, cfg, it)
         iters.append(row)
-        if keep is None or row["violation"] < keep[0] - 1e-12:  # the best exact iterate is the one returned
+        best = keep is None or row["violation"] < keep[0] - 1e-12  # the best exact iterate is the one returned
+        if best and pb.within_budget(st.kl):  # (always: an over-budget trial is never accepted; ΔW = 0 has KL 0)
             keep = kept
         if log:
             log(f"WFLD GN step {it}: {row['rows']} constraints, max violation {row['violation']:.4g} nats, "
@@ -348,8 +363,9 @@ def solve_wfld(w: TailWeights, events: Batch, terms: EventTerms, background: Bat
             m = eigen_metric(background, w, w.W_sd + st.dW if cfg.refresh_fisher else w.W_sd, pb.B, events.hh, cfg,
                              cfg.ridge, seed=it)
             metric = m if metric is None else replace(m, rho=metric.rho)  # ρ stays the one set at the base
-        if not _gn_step(pb, metric, st, c, row, log):
-            stop = rec.STOP_LINE_SEARCH  # no step size improved on the iterate: another step from it is the same
+        failed = _gn_step(pb, metric, st, c, row, log)
+        if failed:  # no radius improved on the iterate (within the budget): another step from it is the same
+            stop = failed
             break
     return _result(pb, metric, keep, iters, stop)
 
@@ -379,7 +395,7 @@ def _problem(w: TailWeights, events: Batch, terms: EventTerms, background: Batch
 
 def _measure(c: tuple, st: _State, cfg: WfldConfig, it: int) -> tuple[dict, tuple]:
     """The iteration record of the exact constraints `c` at the iterate, and the tuple kept if it is the best
-    (violation, residual, ΔW, worst rows, exact KL, predicted KL)."""
+    (violation, residual, ΔW, worst rows, exact KL, predicted KL, iteration)."""
     vals, _, bounds, evr, kinds, _ = c
     residual = float(np.abs(vals - st.pred).max()) if st.pred is not None else float("nan")
     excess = vals - bounds  # [m] > 0: violated
@@ -388,16 +404,18 @@ def _measure(c: tuple, st: _State, cfg: WfldConfig, it: int) -> tuple[dict, tupl
              for i in np.argsort(-excess)[:5] if excess[i] > cfg.gn_tol]
     row = dict(iter=it, residual=residual, violation=violation, rows=len(vals), kl_exact=st.kl,
                kl_predicted=st.kl_pred, curvature_scale=st.curv)
-    return row, (violation, residual, st.dW, worst, st.kl, st.kl_pred)
+    return row, (violation, residual, st.dW, worst, st.kl, st.kl_pred, it)
 
 
-def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> bool:
+def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> str | None:
     """One trust-region Gauss–Newton step from the linearisation `c` at the iterate (module docstring): the QP
     with every linearised row's change bounded by the radius, its trial judged on the exact forward (rejected:
-    the radius shrunk, re-solved from the same iterate), then re-solved while the KL model and the exact KL
-    disagree (at most kl_retries times). Updates `st` (iterate, radius); every trial's radius, merits, ratio and
-    the linear model's worst error per row kind go into row["trust_region"]. Returns False, leaving the iterate
-    as it was, when the radius fell below TR_MIN without a trial that lowered the merit (line_search_failed)."""
+    the radius shrunk, re-solved from the same iterate) and then on its exact background KL (over the budget:
+    rejected the same way), then re-solved while the KL model and the exact KL disagree (at most kl_retries
+    times). Updates `st` (iterate, radius); every trial's radius, merits, ratio, exact KL against the budget and
+    the linear model's worst error per row kind go into row["trust_region"]. Returns None when a trial was
+    accepted; else, leaving the iterate as it was once the radius fell below TR_MIN, the stop reason: `budget`
+    when a trial of this step lowered the merit but went over the KL budget, `line_search_failed` otherwise."""
     vals, grads, bounds, evr, kinds, _ = c
     Gh = grads @ m.UG  # [m, n] constraint gradients in the G-eigenbasis
     Hrow = m.Hh[torch.as_tensor(evr, device=pb.w.device)]  # [m, f']
@@ -405,6 +423,7 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> b
     phi0 = _merit(vals, bounds)
     lin = Linearised(Gh, Hrow, evr, vals, bounds, cur, m.UG.T @ st.Y @ m.UA)
     trials = row.setdefault("trust_region", [])
+    over_budget = False  # a trial of this step lowered the merit but not within the KL budget
     for attempt in range(pb.cfg.kl_retries + 1):
         while True:
             D = m.inverse_diag(pb.cfg.bg_weight * st.curv)  # [n, f']
@@ -416,26 +435,33 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> b
             phi, phi_lin = _merit(c_try[0], bounds), _merit(pred, bounds)
             ratio = tr_ratio(phi0, phi_lin, phi, pb.cfg.gn_tol, float(np.abs(c_try[0] - pred).max()), st.radius)
             r_old, st.radius = st.radius, tr_update(st.radius, ratio, limited)
-            trials.append(dict(radius=r_old, merit_before=phi0, merit_predicted=phi_lin, merit_after=phi, ratio=ratio,
-                               accepted=ratio > TR_ACCEPT, max_linear_change=float(np.abs(new_lin - cur).max()),
-                               worst_error=_worst_error(c_try[0], pred, kinds)))
+            trial = dict(radius=r_old, merit_before=phi0, merit_predicted=phi_lin, merit_after=phi, ratio=ratio,
+                         accepted=ratio > TR_ACCEPT, max_linear_change=float(np.abs(new_lin - cur).max()),
+                         worst_error=_worst_error(c_try[0], pred, kinds))
+            trials.append(trial)
             if ratio > TR_ACCEPT:
-                break
-            if log:
+                kl_try, kl_pred, honest = _kl_check(pb, m, st, (r_old, Y_try, dW_try), row, log)
+                trial.update(kl_exact=kl_try, kl_predicted=kl_pred, within_budget=pb.within_budget(kl_try))
+                if trial["within_budget"]:
+                    break
+                over_budget, trial["accepted"], st.radius = True, False, TR_SHRINK * r_old  # as if rejected
+                if log:
+                    log(f"WFLD GN step {row['iter']}: trust region {r_old:.3g} nats over the KL budget (exact "
+                        f"background KL {kl_try:.3g} > {pb.kl_budget:.3g}): radius {st.radius:.3g}")
+            elif log:
                 log(f"WFLD GN step {row['iter']}: trust region {r_old:.3g} nats rejected (merit {phi0:.4g} -> "
                     f"{phi:.4g}, linear model {phi_lin:.4g}): radius {st.radius:.3g}")
             if st.radius < TR_MIN:
                 row["line_search"] = dict(merit_before=phi0, merit_after=phi, radius=r_old)
-                return False
+                return rec.STOP_BUDGET if over_budget else rec.STOP_LINE_SEARCH
         row["line_search"] = dict(merit_before=phi0, merit_after=phi, radius=r_old)
-        kl_try, kl_pred, honest = _kl_check(pb, m, st, (r_old, Y_try, dW_try), row, log)
         if honest:
             break
     st.Y, st.dW, st.cached = Y_try, dW_try, c_try
     st.kl, st.kl_pred = kl_try, kl_pred
     st.pred = pred
     st.undamped = r_old >= TR_RADIUS0 or not bool(lin.Yk.abs().max() > 0)
-    return True
+    return None
 
 
 @dataclass(frozen=True)
@@ -532,8 +558,12 @@ def _kl_check(pb: _Problem, m: Metric, st: _State, trial: tuple, row: dict, log)
 
 
 def _result(pb: _Problem, metric: Metric | None, keep: tuple, iters: list[dict], stop: str) -> WfldResult:
-    """The best exact iterate as a WfldResult, with its stop reason."""
-    violation, residual, dW, worst, kl_exact, kl_pred = keep
+    """The best exact iterate as a WfldResult, with its stop reason (a budget stop short of the constraints
+    explained by a note starting "convergence:", which the audit's claims bar reads)."""
+    violation, residual, dW, worst, kl_exact, kl_pred, it = keep
+    notes = list(pb.warnings)
+    if stop == rec.STOP_BUDGET and violation > pb.cfg.gn_tol:
+        notes.append(budget_note(pb.kl_budget, it, kl_exact, violation, pb.cfg.gn_tol))
     if violation > pb.cfg.gn_tol and stop == rec.STOP_CONVERGED:
         stop = rec.STOP_ITERATION_CAP
     if stop == rec.STOP_ITERATION_CAP and len(iters) > 1 and iters[-1]["violation"] > violation:
@@ -542,4 +572,11 @@ def _result(pb: _Problem, metric: Metric | None, keep: tuple, iters: list[dict],
                       infeasible_events=pb.infeasible, worst_rows=worst, anchor_rank=pb.rank, null_dim=pb.B.shape[1],
                       predicted_bg_kl=kl_pred, exact_bg_kl=kl_exact,
                       fisher_tail_mass=metric.tail_mass if metric is not None else 0.0, stop_reason=stop,
-                      tolerance=pb.cfg.gn_tol, warnings=pb.warnings)
+                      tolerance=pb.cfg.gn_tol, kl_budget=pb.kl_budget, warnings=notes)
+
+
+def budget_note(budget: float, it: int, kl: float, violation: float, tol: float) -> str:
+    """The record note of a solve stopped by the KL budget (the "convergence:" prefix: evals/audit.py)."""
+    return (f"convergence: WFLD stopped at the background KL budget {budget:.3g} nats: no trust-region step from "
+            f"Gauss–Newton iterate {it} (exact background KL {kl:.3g} nats, returned) lowered the max violation "
+            f"({violation:.3g} nats > tolerance {tol:g}) within it; the constraints are not met within the budget")

@@ -132,3 +132,67 @@ def test_rejected_steps_shrink_the_radius_to_a_failed_search(setup, monkeypatch)
     shrinks = [b / a for a, b in zip(radii, radii[1:]) if b != a]
     assert shrinks and all(s == pytest.approx(0.25) for s in shrinks)
     assert radii[-1] * 0.25 < wf.TR_MIN <= radii[-1]
+
+
+# the KL budget (module docstring "KL budget"): every accepted iterate within it, the stop says so
+
+
+def _full_kl(b, w, dW) -> float:
+    """Mean KL(p⁰ ‖ p) over the rows of `b`, full softmax over the tiny model's whole vocabulary in f64 (the
+    solver's figure is the streamed forward's, block by block: an independent summation)."""
+    from l47.tail.forward import tail_mix
+
+    def lp(**kw):
+        return torch.log_softmax((tail_mix(b.R, b.inj, b.hh, b.sgv, b.yr, w, **kw) @ w.head.T).double(), -1)
+
+    l0, l1 = lp(), lp(dW=dW)
+    return float((l0.exp() * (l0 - l1)).sum(-1).mean())
+
+
+def test_kl_budget_bounds_every_accepted_iterate_and_names_the_stop(setup):
+    """Without a budget this world converges at an exact KL of 0.0163 nats; with a budget of 0.005 the solve
+    stops `budget` short of the constraints, the returned ΔW's KL recomputed by the f64 full softmax is within
+    the budget (to the two summations' agreement, 1e-7 nats) and binds (> 0.9 × the budget), every iteration's
+    exact KL is within it, the trials over it were rejected with the radius shrunk by ¼, and the record note
+    explaining the stop starts "convergence:" (the audit's claims bar reads it)."""
+    w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
+    free = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0))
+    budget = 0.005
+    assert free.stop_reason == "converged" and _full_kl(bg, w, free.dW) > 3 * budget  # the budget binds
+    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), kl_budget=budget)
+    kl = _full_kl(bg, w, res.dW)
+    assert res.stop_reason == "budget" and res.kl_budget == budget
+    assert kl <= budget + 1e-7 and kl > 0.9 * budget and kl == pytest.approx(res.exact_bg_kl, abs=1e-7)
+    assert 2e-3 < res.violation < 2.0  # it edited (base: 2 nats), short of the constraints
+    assert all(it["kl_exact"] <= budget for it in res.iterations)
+    over = [(it, t) for it in res.iterations for t in it.get("trust_region", []) if t.get("within_budget") is False]
+    assert over and all(t["kl_exact"] > budget and not t["accepted"] and t["ratio"] > wf.TR_ACCEPT for _, t in over)
+    for it, t in over:  # the next trial of the same step is re-solved at ¼ of the radius
+        trials = it["trust_region"]
+        k = trials.index(t)
+        if k + 1 < len(trials):
+            assert trials[k + 1]["radius"] == pytest.approx(wf.TR_SHRINK * t["radius"])
+    notes = [n for n in res.warnings if n.startswith("convergence:")]
+    assert len(notes) == 1 and "budget 0.005" in notes[0]
+
+
+def test_kl_budget_below_any_step_keeps_the_base(setup):
+    """A budget no step can meet (1e-12 nats): every trial is over it, the radius shrinks to TR_MIN, and the
+    solve returns ΔW = 0 (exact KL 0) with stop reason `budget`, not line_search_failed."""
+    w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
+    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), kl_budget=1e-12)
+    assert res.stop_reason == "budget" and len(res.iterations) == 1
+    assert torch.count_nonzero(res.dW) == 0 and res.exact_bg_kl == 0.0 and _full_kl(bg, w, res.dW) == 0.0
+    trials = res.iterations[0]["trust_region"]
+    assert trials and not any(t["accepted"] for t in trials) and trials[-1]["radius"] * wf.TR_SHRINK < wf.TR_MIN
+
+
+def test_large_kl_budget_changes_nothing(setup):
+    """A budget above every iterate's KL (1 nat; the unbudgeted solve ends at 0.0163) gives the same ΔW bit for
+    bit, the same iterations and stop reason as no budget."""
+    w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
+    a = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0))
+    b = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), kl_budget=1.0)
+    assert torch.equal(a.dW, b.dW) and a.stop_reason == b.stop_reason == "converged"
+    assert [it["kl_exact"] for it in a.iterations] == [it["kl_exact"] for it in b.iterations]
+    assert a.kl_budget is None and b.kl_budget == 1.0
