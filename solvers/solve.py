@@ -364,9 +364,10 @@ def solve_problem(plan: SolvePlan, sel: Selection, prob: Problem, log, progress)
 
 def wfld_solve(plan: SolvePlan, prob: Problem, log) -> Solved:
     """WFLD on the problem within the solve's KL budget (`kl_budget`: every accepted iterate's exact background
-    KL within it, solvers/wfld.py), on the CPU when the device has no float64 (MPS: WFLD's algebra is f64)."""
+    KL within it, of the float ΔW and re-quantised as shipped; solvers/wfld.py), on the CPU when the device has no
+    float64 (MPS: WFLD's algebra is f64)."""
     from l47.solvers.batch import batch_to
-    from l47.solvers.wfld import solve_wfld
+    from l47.solvers.wfld import KlBudget, solve_wfld
 
     w, t, dev = plan.w, prob.terms, plan.w.device
     if w.numerics.no_f64:
@@ -374,8 +375,9 @@ def wfld_solve(plan: SolvePlan, prob: Problem, log) -> Solved:
 
         w, t = weights_to(w, "cpu"), EventTerms(t.rejected.cpu(), t.chosen.cpu(), t.special.cpu(), t.scale.cpu())
     on = (lambda b: b) if w is plan.w else (lambda b: batch_to(b, "cpu"))
+    budget = KlBudget(kl_budget(plan), shipped=lambda dW: requantize(plan, dW.to(dev)).W_q.to(w.device))
     res = solve_wfld(w, on(prob.events), t, on(prob.background), on(prob.anchors), plan.cfg.wfld, log=log,
-                     kl_budget=kl_budget(plan))
+                     budget=budget)
     conv = rec.Convergence(stop_reason=res.stop_reason, max_violation=res.violation,
                            violation_tol=res.tolerance, iterations=len(res.iterations) - 1)
     if res.violation > res.tolerance:

@@ -1090,3 +1090,27 @@ def test_blind_refused_when_an_experiment_document_cannot_be_read(world, tmp_pat
     assert ei.value.where == str(bad)
     assert not (tmp_path / "blind" / "report.json").exists()
     assert not _ledger(world).scored(_token_sha(world["paths"]["blind_a"]))
+
+
+@pytest.mark.slow
+def test_wfld_solve_stops_at_a_tiny_kl_budget_explained(world, tmp_path):
+    """`l47 solve` passes the solve's KL budget ([solver] kl_budget) into WFLD: at 3e-5 nats (the solve above,
+    budget 0.0025 from the bars, ends at 9.6e-5) the record's stop reason is `budget`, the shipped background
+    KL — as the audit re-derives it with its own forward — is within the budget, and the "convergence:" note
+    explains the stop short of the constraints, so the claims bar passes (the stop is not a failure to converge)."""
+    from l47.solvers import solve
+
+    exp = world["root"] / "experiment_solve_budget.toml"
+    exp.write_text(world["exp"].read_text() + "\n[solver]\nkl_budget = 3e-5\n[solver.wfld]\np_cap = 0.15\nmargin = 3.0\n")
+    out = tmp_path / "solved.gguf"
+    r = solve.run_solve(solve.SolveArgs(experiment=exp, method="wfld", out=out, model=world["base"]),
+                        log=lambda *a, **k: None)
+    cv = r.claims.convergence
+    assert cv.stop_reason == "budget" and cv.max_violation > cv.violation_tol
+    assert r.claims.method["kl_budget"] == 3e-5 and r.claims.background_kl_exact <= 3e-5
+    assert any(n.startswith("convergence:") and "budget 3e-05" in n for n in r.record.notes)
+    res = _audit(world, out, tmp_path / "audit")
+    claims = next(b for b in res.bars if b.name == "claims")
+    assert claims.passed and claims.details["compared"]["background_kl_exact"]["rederived"] <= 3e-5
+    conv = claims.details["convergence"]
+    assert conv["stop_reason"] == "budget" and conv["issues"] and conv["explanations"] and not conv["unexplained"]

@@ -137,15 +137,16 @@ def test_rejected_steps_shrink_the_radius_to_a_failed_search(setup, monkeypatch)
 # the KL budget (module docstring "KL budget"): every accepted iterate within it, the stop says so
 
 
-def _full_kl(b, w, dW) -> float:
-    """Mean KL(p⁰ ‖ p) over the rows of `b`, full softmax over the tiny model's whole vocabulary in f64 (the
-    solver's figure is the streamed forward's, block by block: an independent summation)."""
+def _full_kl(b, w, dW, W_sd=None) -> float:
+    """Mean KL(p⁰ ‖ p) over the rows of `b` at W_sd + ΔW (or at `W_sd` itself when given), full softmax over the
+    tiny model's whole vocabulary in f64 (the solver's figure is the streamed forward's, block by block: an
+    independent summation)."""
     from l47.tail.forward import tail_mix
 
     def lp(**kw):
         return torch.log_softmax((tail_mix(b.R, b.inj, b.hh, b.sgv, b.yr, w, **kw) @ w.head.T).double(), -1)
 
-    l0, l1 = lp(), lp(dW=dW)
+    l0, l1 = lp(), (lp(dW=dW) if W_sd is None else lp(W_sd=W_sd))
     return float((l0.exp() * (l0 - l1)).sum(-1).mean())
 
 
@@ -159,7 +160,7 @@ def test_kl_budget_bounds_every_accepted_iterate_and_names_the_stop(setup):
     free = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0))
     budget = 0.005
     assert free.stop_reason == "converged" and _full_kl(bg, w, free.dW) > 3 * budget  # the budget binds
-    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), kl_budget=budget)
+    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), budget=wf.KlBudget(budget))
     kl = _full_kl(bg, w, res.dW)
     assert res.stop_reason == "budget" and res.kl_budget == budget
     assert kl <= budget + 1e-7 and kl > 0.9 * budget and kl == pytest.approx(res.exact_bg_kl, abs=1e-7)
@@ -180,7 +181,7 @@ def test_kl_budget_below_any_step_keeps_the_base(setup):
     """A budget no step can meet (1e-12 nats): every trial is over it, the radius shrinks to TR_MIN, and the
     solve returns ΔW = 0 (exact KL 0) with stop reason `budget`, not line_search_failed."""
     w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
-    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), kl_budget=1e-12)
+    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), budget=wf.KlBudget(1e-12))
     assert res.stop_reason == "budget" and len(res.iterations) == 1
     assert torch.count_nonzero(res.dW) == 0 and res.exact_bg_kl == 0.0 and _full_kl(bg, w, res.dW) == 0.0
     trials = res.iterations[0]["trust_region"]
@@ -192,7 +193,22 @@ def test_large_kl_budget_changes_nothing(setup):
     bit, the same iterations and stop reason as no budget."""
     w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
     a = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0))
-    b = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), kl_budget=1.0)
+    b = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), budget=wf.KlBudget(1.0))
     assert torch.equal(a.dW, b.dW) and a.stop_reason == b.stop_reason == "converged"
     assert [it["kl_exact"] for it in a.iterations] == [it["kl_exact"] for it in b.iterations]
     assert a.kl_budget is None and b.kl_budget == 1.0
+
+
+def test_kl_budget_is_judged_on_the_weights_as_shipped(setup):
+    """With a `shipped` map the budget holds for the shipped weights: a planted map that ships W + 1.5 ΔW (a
+    "re-quantisation" that adds KL) — the returned ΔW's shipped KL (f64 full softmax at W + 1.5 ΔW) is within
+    the budget and binds, its float KL well below it, the record's figures equal to the references (1e-7)."""
+    w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
+    budget = 0.005
+    ship = lambda dW: w.W_sd + 1.5 * dW  # noqa: E731
+    res = solve_wfld(w, ev, terms, bg, an, WfldConfig(margin=2.0), budget=wf.KlBudget(budget, shipped=ship))
+    kl_ship, kl = _full_kl(bg, w, None, W_sd=ship(res.dW)), _full_kl(bg, w, res.dW)
+    assert res.stop_reason == "budget" and kl_ship <= budget + 1e-7 and kl_ship > 0.9 * budget
+    assert kl < 0.6 * budget  # the float ΔW alone would have been allowed further (KL ≈ (1.5)⁻² of the shipped)
+    assert res.shipped_bg_kl == pytest.approx(kl_ship, abs=1e-7) and res.exact_bg_kl == pytest.approx(kl, abs=1e-7)
+    assert all(it["kl_shipped"] is None or it["kl_shipped"] <= budget for it in res.iterations)
