@@ -511,11 +511,16 @@ def _g_dl(ev: Evidence) -> Measure:
     return Measure(o.get("mean_dlogp"), {k: o.get(k) for k in ("docs", "n_ordinary", "median_dlogp", "frac_below")})
 
 
-@register("g.kld", family="(g)", direction=LE, threshold="chat_kld", aggregation="mean over non-slop positions",
+G_ROWS = ("mean over the positions that are not prefix-exact (l47.dumps.select.prefix_rows: the events and the "
+          "near misses, where moving mass off the banned word is the intended effect, as in bar (e) — reported "
+          "apart, not judged)")
+
+
+@register("g.kld", family="(g)", direction=LE, threshold="chat_kld", aggregation=G_ROWS,
           definition="KL(base ‖ bundle) on held-out chat away from slop positions")
 def _g_kld(ev: Evidence) -> Measure:
     o = ev.ordinary
-    return Measure(o.get("kld"), {"n_non_slop": o.get("n_non_slop")})
+    return Measure(o.get("kld"), {"n_non_slop": o.get("n_non_slop"), "prefix_rows": o.get("prefix_rows")})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -563,8 +568,9 @@ register("blind.g.ordinary_dlogp", family="blind", direction=GE, threshold="chat
          aggregation="mean over ordinary tokens", definition="(g) ordinary-token mean Δlog p on the blind document")(
     _blind_part("ordinary", lambda o: Measure(o.get("mean_dlogp"), {"n": o.get("n_ordinary")})))
 register("blind.g.kld", family="blind", direction=LE, threshold="chat_kld", mode=MODE_BLIND,
-         aggregation="mean over non-slop positions", definition="(g) KLD on the blind document away from slop")(
-    _blind_part("ordinary", lambda o: Measure(o.get("kld"), {"n": o.get("n_non_slop")})))
+         aggregation=G_ROWS, definition="(g) KLD on the blind document away from slop")(
+    _blind_part("ordinary", lambda o: Measure(o.get("kld"), {"n": o.get("n_non_slop"),
+                                                              "prefix_rows": o.get("prefix_rows")})))
 
 
 @register("blind.slop_residual", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,

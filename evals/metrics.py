@@ -134,7 +134,7 @@ def score_document(sc: Scoring, dump, set_name: str, refused: bool = False, reas
     from dataclasses import replace
 
     from l47.data.sets import SAMPLER_TOPK
-    from l47.dumps.select import chat_structure, claims_generation, find_events, generation_check
+    from l47.dumps.select import chat_structure, claims_generation, find_events, generation_check, prefix_rows
 
     if ps is None:  # a document that claims to be generated keeps the top-k its sampler check reads
         ps = sc.pair(dump, max(sc.topk, SAMPLER_TOPK) if claims_generation(dump.meta.provenance) else None)
@@ -142,7 +142,7 @@ def score_document(sc: Scoring, dump, set_name: str, refused: bool = False, reas
     role = np.asarray(dump.role).astype(np.uint8)  # [T]
     own = generation_check(ps.base.logp_target, ps.base.top_logp, role, dump.meta.provenance, sc.sampler_tol)
     ps = replace(ps, base=top_k_of(ps.base, sc.topk), new=top_k_of(ps.new, sc.topk))
-    rows = np.zeros(tokens.shape[0] - 1, dtype=bool)  # [T]
+    rows = prefix_rows(tokens, sc.phrase_tuples)  # [T]: the events and the near misses (one definition)
     for e in find_events(tokens, sc.phrase_tuples, role):
         rows[e.pos] = True
     chat = chat_structure(tokens, role, sc.special_ids)
@@ -377,21 +377,29 @@ def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
 
 def ordinary_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int], below: float = -0.1) -> dict:
     """(g): on the given (held-out chat) documents, ordinary-token mean Δlog p (not a slop position, target
-    not special) and the mean KLD over non-slop positions."""
+    not special) and the mean KLD over non-slop positions. Slop positions are the prefix-exact rows
+    (l47.dumps.select.prefix_rows: the events and the near misses, where moving mass off the banned word is
+    the intended effect) — the rows bar (e) reports apart and the solver never counts as background; they are
+    reported apart here too (`prefix_rows`: their KLD and their targets' Δlog p), not judged."""
     spec = np.array(sorted(set(int(i) for i in special_ids.values())), dtype=np.int64)
-    dl, kl, n_doc = [], [], 0
+    dl, kl, pk, pdl, n_doc = [], [], [], [], 0
     for d in docs:
         n_doc += 1
         non_slop = ~d.slop_rows  # [T]
         ordinary = non_slop & ~np.isin(d.targets, spec)  # [T]
         dl.append(d.ps.dlogp[ordinary])
         kl.append(d.ps.kld[non_slop])
+        pk.append(d.ps.kld[d.slop_rows])
+        pdl.append(d.ps.dlogp[d.slop_rows])
     x = np.concatenate(dl) if dl else np.zeros(0)
     k = np.concatenate(kl) if kl else np.zeros(0)
+    pre_k = np.concatenate(pk) if pk else np.zeros(0)
     return {"docs": n_doc, "n_ordinary": int(x.size), "mean_dlogp": _mean(x),
             "median_dlogp": float(np.median(x)) if x.size else None,
             "frac_below": float((x < below).mean()) if x.size else None, "n_non_slop": int(k.size),
-            "kld": _mean(k)}
+            "kld": _mean(k),
+            "prefix_rows": {"n": int(pre_k.size), "kld_mean": _mean(pre_k),
+                            "target_dlogp_mean": _mean(np.concatenate(pdl) if pdl else np.zeros(0))}}
 
 
 def special_mass_figures(events, by_sha: Mapping[str, DocResult]) -> dict:

@@ -10,6 +10,7 @@ convention (the (1 + w) fold, the /hc inside the inject sigmoid, stream-major fl
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +23,13 @@ from tiny_hf import tiny_model  # noqa: E402
 
 # The scoring ledgers live under $L47_HOME (l47.data.ledger): never the user's own during tests. Module fixtures
 # share this session folder; every test function gets a fresh one (`_l47_home`).
-os.environ["L47_HOME"] = tempfile.mkdtemp(prefix="l47-test-home-")
+os.environ["L47_HOME"] = _SESSION_HOME = tempfile.mkdtemp(prefix="l47-test-home-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's ledger folder is the suite's own (made above): removed at the end (was: one left in the
+    temp dir per run)."""
+    shutil.rmtree(_SESSION_HOME, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

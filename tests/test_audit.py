@@ -1114,3 +1114,70 @@ def test_wfld_solve_stops_at_a_tiny_kl_budget_explained(world, tmp_path):
     assert claims.passed and claims.details["compared"]["background_kl_exact"]["rederived"] <= 3e-5
     conv = claims.details["convergence"]
     assert conv["stop_reason"] == "budget" and conv["issues"] and conv["explanations"] and not conv["unexplained"]
+
+
+def test_g_judges_the_rows_away_from_prefix_exact_positions(world, tmp_path):
+    """Bar (g)'s KLD and ordinary Δlog p leave out EVERY prefix-exact row — the events and the near misses
+    (a phrase's prefix followed by another token), where moving mass off the banned word is the intended effect —
+    as bar (e) does (one definition, l47.dumps.select.prefix_rows); those rows are reported apart. Before, only
+    the events were left out: on the demo's blind chats one near miss (KLD 0.66–0.78 there) made bar (g) fail.
+    A held-out chat with two near misses that carry the slop key (so the good bundle moves them); reference:
+    full float64 log-softmaxes of the exact forward on the bundle's runtime weights and a brute-force prefix
+    matcher written here. Tolerance 1e-6: the audit's streamed f64 sums vs numpy's over the same f32 logits."""
+    from l47.dumps import read_dump
+    from l47.model.weights import load_tail_weights
+    from l47.tail.forward import full_logits, mix_of_dump
+
+    w, root = world["w"], world["root"]
+    spec = [M("user", "How did it go?"),
+            M("assistant", "<think>\nSay how.\n</think>\n\nWe got to the end to the last step rather quickly, "
+                           "and it ran end to end.")]
+    arr, goal = _dump_arrays(world["vocab"], world["pts"], "chat_nm", spec, seed=991)
+    tok = arr["tokens"].astype(np.int64)
+
+    def prefix_mask(tokens):  # [T] bool, brute force over every tuple of every phrase
+        T = len(tokens) - 1
+        m = np.zeros(T, dtype=bool)
+        for pt in world["pts"]:
+            for u in pt.tuples:
+                k = len(u) - 1
+                for t in range(k - 1, T):
+                    m[t] |= tuple(int(x) for x in tokens[t - k + 1:t + 1]) == tuple(u[:-1])
+        return m
+
+    pre = prefix_mask(tok)
+    events = {t for t in np.nonzero(pre)[0] if any(int(tok[t + 1]) in pt.finals for pt in world["pts"])}
+    near = [t for t in np.nonzero(pre)[0] if t not in events]
+    assert len(near) >= 2 and events, (near, events)  # "end to the", "rather quickly"; "end to end"
+    arr["hh"][near, J_KEY] = C_KEY  # the near misses look like the phrases' contexts: the bundle moves them
+    _fit_yr(w, [arr], [goal])
+    path = _write_world_dump(root / "chat_nm_g.safetensors", w, "chat_nm", spec, arr, generated=False)
+    exp = _variant(world, "g_rows", {"chat_heldout": [path.name]})
+    res = _audit_exp(world, world["bundles"]["good"], tmp_path / "out", exp)
+    o = res.report["chat"]["ordinary"]
+
+    w_new = load_tail_weights(world["bundles"]["good"], policy="strata")
+    kl, dl, kl_pre, n_pre = [], [], [], 0
+    for name in [n for n, (s, _) in DOCS.items() if s == "chat_heldout"] + [None]:
+        d = read_dump(path if name is None else world["paths"][name])
+        tk = np.asarray(d.tokens, dtype=np.int64)
+        with torch.no_grad():
+            lb = torch.log_softmax(full_logits(mix_of_dump(d, w), w).double(), -1).numpy()  # [T, V] f64
+            ln = torch.log_softmax(full_logits(mix_of_dump(d, w_new), w_new).double(), -1).numpy()
+        k = (np.exp(lb) * (lb - ln)).sum(1)  # [T]
+        m = prefix_mask(tk)
+        tg = tk[1:]
+        ordinary = ~m & ~np.isin(tg, sorted(world["vocab"].special_ids.values()))
+        kl.append(k[~m])
+        dl.append((ln - lb)[np.arange(len(tg)), tg][ordinary])
+        kl_pre.append(k[m])
+        n_pre += int(m.sum())
+    kl_pre = np.concatenate(kl_pre)
+    assert o["n_non_slop"] == sum(len(x) for x in kl) and o["docs"] == 2, [
+        (x["path"], x.get("refused"), x.get("reasons")) for x in res.report["inputs"]["documents"] if "chat" in x["path"]]
+    assert o["kld"] == pytest.approx(np.concatenate(kl).mean(), abs=1e-6)
+    assert o["mean_dlogp"] == pytest.approx(np.concatenate(dl).mean(), abs=1e-6)
+    assert o["prefix_rows"]["n"] == n_pre and o["prefix_rows"]["kld_mean"] == pytest.approx(kl_pre.mean(), abs=1e-6)
+    # the near misses carry KL the bar no longer counts: with them, the mean would be larger
+    assert kl_pre.mean() > 10 * o["kld"], (kl_pre.mean(), o["kld"])
+    assert _bars(res)["g.kld"].details["prefix_rows"]["n"] == n_pre
