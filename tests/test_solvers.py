@@ -414,3 +414,57 @@ def test_ftpo_gap_directions_keep_the_special_word_gaps_to_first_order(setup):
     assert float(free.abs().max()) > 1e-2  # the planted step does move the gaps
     assert float(kept.abs().max()) <= 0.02 * float(free.abs().max())
 
+
+def test_ftpo_turn_end_directions_hold_log_p_of_the_turn_end_to_first_order(setup):
+    """turn_end_basis / off_span: B is orthonormal and holds ≥ `energy` of the energy of the gradients
+    ∂ log p(target)/∂ys — the reference gradients from a DENSE f64 log-softmax over the full vocabulary (the basis
+    uses the streamed log-sum-exp); ΔW = ε·off_span(U)·Mᵀ moves log p(target) at those rows by ≤ 5 % of what
+    ε·U·Mᵀ moves it (measured by the same dense forward: second order, f32 rounding and the 0.1 % energy left),
+    and on the joint parameterisation the gap rows stay unmoved too (both projections hold)."""
+    from l47.solvers.batch import ys_grad_mix
+    from l47.solvers.ftpo import (background_scales, gap_basis, gap_jacobians, key_basis, off_span, project_out,
+                                  special_word_pairs, turn_end_basis)
+
+    w, ev, bg, an = setup["w"], setup["ev"], setup["bg"], setup["an"]
+    with torch.enable_grad():
+        ys, mix = ys_grad_mix(an, w, w.W_sd)
+        lp = torch.log_softmax((mix @ w.head.T).double(), -1)[torch.arange(an.P), an.target]
+        lp.sum().backward()
+    G = ys.grad.double()  # [A, n] reference gradients
+    B = turn_end_basis(an, w, 0.999, w.n)
+    k = B.shape[1]
+    assert 1 <= k < w.n
+    assert torch.allclose(B.T.double() @ B.double(), torch.eye(k, dtype=torch.float64), atol=1e-5)
+    kept = float((G @ B.double()).pow(2).sum() / G.pow(2).sum())
+    assert kept >= 0.999 - 1e-4, kept
+    S = torch.linalg.svdvals(G)  # the fewest: one direction less holds less than the share
+    assert float(S[:k - 1].pow(2).sum() / S.pow(2).sum()) < 0.999
+
+    Q = key_basis(ev.hh, torch.as_tensor([i % 2 for i in range(ev.P)]), bg.hh, 8).float()
+    M = Q * background_scales(bg.hh, Q)  # [f, K]
+    U = torch.randn(w.n, M.shape[1], generator=torch.Generator().manual_seed(5))
+    Up = off_span(U, B)
+    assert float((B.T @ Up).abs().max()) <= 1e-5 * float(U.abs().max())
+    lp0 = torch.log_softmax((_mix(an, w) @ w.head.T).double(), -1)[torch.arange(an.P), an.target]
+
+    def change(Umat):
+        z = (_mix(an, w, dW=Umat @ M.T) @ w.head.T).double()
+        return torch.log_softmax(z, -1)[torch.arange(an.P), an.target] - lp0
+
+    eps = 0.02 * float(w.W_sd.std()) / float((U @ M.T).std())
+    free, held = change(eps * U), change(eps * Up)
+    assert float(free.abs().max()) > 1e-3  # the planted step does move log p there
+    assert float(held.abs().max()) <= 0.05 * float(free.abs().max()), (float(held.abs().max()), float(free.abs().max()))
+
+    # both projections at once: off span B, then off the gap directions of (I − B Bᵀ)J
+    z0 = (_mix(bg, w) @ w.head.T).double()
+    special = torch.as_tensor(sorted(set(int(t) for t in torch.topk(z0, 2).indices[:40, 1])))
+    b, ids, gap = special_word_pairs([bg], w, special, 4.0)
+    J = off_span(gap_jacobians(b, w, ids).T, B).T
+    V = gap_basis(J, b.hh @ M, 1.0 / gap.clamp_min(0.05), max_rank=w.n * M.shape[1] // 2, rel_tol=1e-6)
+    Y = project_out(off_span(U, B), V)
+    assert float((B.T @ Y).abs().max()) <= 1e-4 * float(U.abs().max())  # still off span B
+    Jfull = gap_jacobians(b, w, ids).double()
+    moved = ((Jfull @ Y.double()) * (b.hh @ M).double()).sum(1)  # first-order gap change per row
+    base = ((Jfull @ U.double()) * (b.hh @ M).double()).sum(1)
+    assert float(moved.abs().max()) <= 1e-3 * float(base.abs().max())

@@ -131,6 +131,7 @@ FTPO_MEANINGS = {
     "flip_margin": "nats: background rows and turn ends whose top two (one special, one not) are this close are guarded",
     "gap_margin": "nats: rows whose top two (one special, one word) are this close define the gap directions ΔW is kept off (0: off)",
     "gap_rows": "at most this many of those rows (the smallest gaps first)",
+    "turn_end_energy": "> 0: share of the solver's turn ends' ∂ log p(<|im_end|>)/∂ys energy whose directions ΔW's output is kept off (at most n // 8 directions; 0: off, the default)",
     "lambda_ridge": "ridge on ‖ΔW‖² / ‖W‖²",
     "tether_topk": "top-K base tokens of the conditional tether and the log-odds",
     "background_batch": "background positions per step (rotating; the exact KL uses all)",
