@@ -171,7 +171,8 @@ def test_read_jsonl_collects_every_error_and_keeps_good_docs(tmp_path):
 
 
 def test_read_documents_from_datasets(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a dependency (pyproject): a missing install must fail, not skip
+
     rows = {"id": ["a", "b", "c"], "text": ["first doc", "", "third doc"]}
     ds = datasets.Dataset.from_dict(rows)
     got = read_documents(ds)

@@ -25,8 +25,8 @@ from l47.engine import hf as eng
 from l47.engine.gguf_export import export_gguf, load_hf, load_hf_from_gguf
 from l47.errors import L47Error
 from l47.model.gguf_io import open_gguf
+from l47.tail import forward
 
-forward = pytest.importorskip("l47.tail.forward", reason="l47.tail.forward (the exact tail forward) not available yet")
 TOL = 1e-4  # nats: zero-proxy bar for the f32 engine
 LAST = 2  # tiny model: 3 layers
 

@@ -7,7 +7,6 @@ compared with gguf.quants at tolerance 0 for F32/F16/BF16/Q8_0 (the same f32 ari
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import struct
 
@@ -339,7 +338,6 @@ def test_sha256_and_repr(ref_file):
     assert ref_file.read_bytes()[:4] == GGUF_MAGIC
 
 
-@pytest.mark.skipif(importlib.util.find_spec("l47.model.quants") is None, reason="l47.model.quants not written yet")
 def test_tensor_dequantizes_like_gguf_quants(ref_file):
     import torch
 

@@ -6,7 +6,6 @@ dequantizes Q6_K too), and a float64 numpy re-derivation of DESIGN §1's tail fo
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import gguf
@@ -19,8 +18,7 @@ from l47.errors import L47Error
 from l47.model.gguf_io import open_gguf
 from l47.testing.synth import REAL_DIMS, UNKNOWN_TYPE_ID, SynthDims, synth_dump_arrays, write_synth_gguf
 
-HAVE_QUANTS = importlib.util.find_spec("l47.model.quants") is not None
-HEADS = ["Q8_0", pytest.param("Q6_K", marks=pytest.mark.skipif(not HAVE_QUANTS, reason="l47.model.quants missing"))]
+HEADS = ["Q8_0", "Q6_K"]
 D = SynthDims()
 L = D.n_layers - 1
 
@@ -84,7 +82,7 @@ def test_layout_types_metadata(tmp_path, head_type):
 
 
 def test_weight_scales_and_logits_are_o1_to_10(tmp_path):
-    head = "Q6_K" if HAVE_QUANTS else "Q8_0"
+    head = "Q6_K"  # the seed layout's head type (l47.model.quants writes it)
     g = open_gguf(write_synth_gguf(tmp_path / "s.gguf", D, seed=3, head_type=head))
     # std of N samples has relative standard error 1/sqrt(2N) < 1 % here; 5 % leaves room for quantization
     W_sd = _w(g, names.target_tensor(L))
