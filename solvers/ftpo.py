@@ -41,7 +41,7 @@ whole background, train and dev residual per phrase. λ doubles whenever the exa
 never lowered: a budget far from binding is no licence to spend it; the KLD domains and the held-out chat are
 not in the background, and on the second model they moved 100–300× more than it). Kept:
 the candidate within the budget with the most dev removal (mean over phrases of log max(residual, t)); among
-those reaching t on every phrase, the least KL. Stops when every phrase's dev (else train) residual reaches t
+those reaching t on every phrase, the least KL. Stops when every phrase's dev and train residuals reach t
 within the budget (converged), at the step cap, or at the time budget. Precision: f32 forward/backward, f64
 vocabulary reductions (l47.tail.stream), f64 means of the measured figures.
 """
@@ -148,8 +148,9 @@ class FtpoResult:
                 "notes": self.notes, "info": self.info}
 
     def convergence(self, target: float) -> rec.Convergence:
-        """Max violation: nats by which the worst phrase's dev (else train) residual exceeds the target."""
-        res = self.dev_residual or self.train_residual
+        """Max violation: nats by which the worst phrase's at-target residual (at_target_residuals: the larger of
+        dev and train) exceeds the target."""
+        res = at_target_residuals(self.train_residual, self.dev_residual)
         worst = max((math.log(max(v, 1e-300) / target) for v in res.values()), default=0.0)
         return rec.Convergence(stop_reason=self.stopped, max_violation=max(0.0, worst), violation_tol=0.0,
                                iterations=len(self.history) and self.history[-1]["step"])
@@ -267,6 +268,14 @@ def _phrase_residuals(p0: np.ndarray, p1: np.ndarray, phrase: list[str]) -> dict
         m = np.array([x == ph for x in phrase])
         out[ph] = float(p1[m].sum() / max(p0[m].sum(), 1e-300))
     return out
+
+
+def at_target_residuals(train: dict[str, float], dev: dict[str, float]) -> dict[str, float]:
+    """phrase -> the residual that says whether it is at its target: the larger of its dev and train residuals
+    (train alone without dev events). Dev decides, train is a floor: a phrase whose own train events are still
+    above the target is not done on unseen ones, however few dev events agree — measured on the demo: "rather
+    than" (3 dev events) read 0.087 on dev at train 0.354, stopped pulling, and ended at 0.364 held out."""
+    return {p: max(v, dev.get(p, v)) for p, v in train.items()} | {p: v for p, v in dev.items() if p not in train}
 
 
 def removal_score(res: dict[str, float], target: float) -> float:
@@ -532,7 +541,7 @@ class _Judge:
                 "dev_flips": flips,
                 "turn_ends_lost": ends_lost,
                 "lambda": lam, "train_residual": tr, "dev_residual": dv,
-                "reached": ok and all(v <= t for v in judge.values())}
+                "reached": ok and all(v <= t for v in at_target_residuals(tr, dv).values())}
 
     def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int, torch.Tensor | None, dict, float | None]:
         """(mean exact KL, argmax flips to a special token, the edited argmax [D], role -> mean KL, the mean's 95 %
@@ -687,9 +696,10 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             lam = min(lam * 2.0, 1e6)
         if info["dev_flips"] or sum(info["turn_ends_lost"].values()):  # the near-tie guard stiffens
             obj.lam_flip = min(obj.lam_flip * 2.0, 1e6)
-        judged = {**info["train_residual"], **info["dev_residual"]}  # a phrase at its target stops pulling: the
-        obj.phrase_on = torch.as_tensor([float(judged[p] > pb.target_residual) for p in sorted(ph_ids)],  # budget
-                                        device=w.device)  # goes to the phrases still short (dev shortfall)
+        judged = at_target_residuals(info["train_residual"], info["dev_residual"])  # a phrase at its target (dev
+        # and train) stops pulling: the budget goes to the phrases still short
+        obj.phrase_on = torch.as_tensor([float(judged[p] > pb.target_residual) for p in sorted(ph_ids)],
+                                        device=w.device)
         n = min(cfg.eval_every, cfg.steps - step)
         loss_of = lambda rows, lam=lam: obj(dW_of(param), rows, lam)  # noqa: E731
         parts = opt.run(n, loss_of)
@@ -762,7 +772,7 @@ def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: Ftp
     _, bstep, bdW, bkl, bdv, btr = judge.best
     notes = []
     if stopped != rec.STOP_CONVERGED:
-        short = [p for p, v in {**btr, **bdv}.items() if v > t]
+        short = [p for p, v in at_target_residuals(btr, bdv).items() if v > t]
         notes.append(f"convergence: stopped by {stopped} at step {step}; kept the candidate of step {bstep} "
                      f"(exact KL {bkl:.3g} ≤ budget {pb.kl_budget:.3g}); phrases short of the target residual {t:g}: "
                      f"{short or 'none'}")

@@ -125,6 +125,23 @@ def test_ftpo_reaches_the_target_within_the_kl_budget(setup):
     assert res.convergence(target).max_violation == 0.0 and res.convergence(target).stop_reason == "converged"
 
 
+def test_ftpo_at_target_needs_dev_and_train():
+    """A phrase is at its target only when its dev AND train residuals are (the demo's "rather than": 3 dev events
+    at 0.087, train 0.354, held out 0.364): the rule behind the stop, the per-phrase switch and the record's
+    max violation (log(residual / target), nats)."""
+    import math
+
+    from l47.solvers.ftpo import FtpoResult, at_target_residuals
+
+    tr, dv = {"a": 0.354, "b": 0.05, "c": 0.3}, {"a": 0.087, "b": 0.15}
+    assert at_target_residuals(tr, dv) == {"a": 0.354, "b": 0.15, "c": 0.3}  # c: no dev events, train alone
+    res = FtpoResult(torch.zeros(1, 1), 0, stopped="iteration_cap", dev_residual=dv, train_residual=tr)
+    conv = res.convergence(0.2)
+    assert conv.max_violation == pytest.approx(math.log(0.354 / 0.2), rel=1e-12)  # a, by its train residual
+    at = FtpoResult(torch.zeros(1, 1), 0, stopped="converged", dev_residual={"a": 0.2}, train_residual={"a": 0.19})
+    assert at.convergence(0.2).max_violation == 0.0
+
+
 def test_key_basis_spans_the_phrase_keys_relative_to_the_background(setup):
     """Q is orthonormal; with k = the phrase's event count, span(Q) = span(B⁻¹ h_e) (the generalized
     eigenvectors of (C, B) with non-zero eigenvalue), re-derived by projecting B⁻¹ hᵀ; with k = 1 the kept
