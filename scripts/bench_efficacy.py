@@ -78,8 +78,8 @@ def _paths(summary) -> list[Path]:
     return [Path(r.path) for r in summary.results if r.path and r.status in ("written", "skipped")]
 
 
-def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -> dict[str, list[Path]]:
-    """Every document set of the model through the hf engine (sampled turns for the prompts)."""
+def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log, device: str = "cpu") -> dict[str, list[Path]]:
+    """Every document set of the model through the hf engine (sampled turns for the prompts), on `device`."""
     from l47.app.dumping import DumpJob, GenerateOptions, run_dump
 
     inputs = out / "inputs"
@@ -87,7 +87,7 @@ def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -
     if spec.pool_generate and caps.get("prompts", 1) != 0:
         p = _subset(spec.data / spec.pool_generate, inputs / "prompts.jsonl", caps.get("prompts"))
         gen = GenerateOptions(max_new_tokens=max_new_tokens, seed=0, temperature=0.7, top_p=0.9, top_k=40)
-        dirs["generated"] = _paths(run_dump(DumpJob(spec.model, p, out / "dumps" / "generated", generate=gen)))
+        dirs["generated"] = _paths(run_dump(DumpJob(spec.model, p, out / "dumps" / "generated", generate=gen, device=device)))
         log(f"{spec.name}: generated {len(dirs['generated'])}")
     from l47.app.demo import CHAT_TOKENS, HELDOUT_PROMPTS
 
@@ -99,14 +99,15 @@ def dump_all(spec: ModelSpec, out: Path, caps: dict, max_new_tokens: int, log) -
         del sets["heldout_chat"]
         src = _subset(spec.data / HELDOUT_PROMPTS, inputs / HELDOUT_PROMPTS, caps.get("heldout_chat"))
         gen = GenerateOptions(max_new_tokens=CHAT_TOKENS, seed=0, temperature=0.7, top_p=0.9, top_k=40, think=True)
-        dirs["heldout_chat"] = _paths(run_dump(DumpJob(spec.model, src, out / "dumps" / "heldout_chat", generate=gen)))
+        dirs["heldout_chat"] = _paths(run_dump(DumpJob(spec.model, src, out / "dumps" / "heldout_chat", generate=gen,
+                                                               device=device)))
         log(f"{spec.name}: heldout_chat (generated) {len(dirs['heldout_chat'])}")
     if spec.pool_written:
         sets["pool_chat"] = spec.pool_written.removesuffix(".jsonl")
     for key, stem in sets.items():
         cap = caps.get("kld") if key.startswith("kld_") else caps.get(key)
         src = _subset(spec.data / f"{stem}.jsonl", inputs / f"{stem}.jsonl", cap)
-        dirs[key] = _paths(run_dump(DumpJob(spec.model, src, out / "dumps" / key)))
+        dirs[key] = _paths(run_dump(DumpJob(spec.model, src, out / "dumps" / key, device=device)))
         log(f"{spec.name}: {key} {len(dirs[key])}")
     dirs.setdefault("blind", [])
     return dirs
@@ -150,7 +151,7 @@ def _per_phrase(rows: list[dict] | None) -> dict:
 
 
 def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, max_new_tokens: int, log,
-              reuse: bool = False) -> dict:
+              reuse: bool = False, device: str = "cpu") -> dict:
     from l47.app.demo import write_experiment
     from l47.data.sets import build_sets, write_sets_json
     from l47.dumps.select import SPLITS
@@ -168,7 +169,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         dirs = {k: [Path(x) for x in v] for k, v in json.loads(manifest.read_text())["dirs"].items()}
         log(f"{spec.name}: reusing {sum(map(len, dirs.values()))} dumps and {sets_json}")
     else:
-        dirs = dump_all(spec, out, caps, max_new_tokens, log)
+        dirs = dump_all(spec, out, caps, max_new_tokens, log, device)
         write_text_atomic(manifest, json.dumps({"dirs": {k: [str(x) for x in v] for k, v in dirs.items()}}))
     res["dump_s"] = round(time.time() - t0, 1)
     exp = write_experiment(out, spec.model.resolve(), dirs, solver="", phrases=spec.phrases, words=(),
@@ -177,7 +178,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
     if reuse and sets_json.is_file() and manifest.is_file():
         report = load_sets_report(sets_json)
     else:
-        report = build_sets(exp)
+        report = build_sets(exp, device=device)
         write_sets_json(report, sets_json)
     res["sets_s"] = round(time.time() - t0, 1)
     counts = report.counts("events")
@@ -191,7 +192,8 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         bundle = mdir / "bundle.gguf"
         t0 = time.time()
         try:
-            solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json),
+            solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
+                                         device=device),
                                log=lambda s: log(f"{spec.name}/{method}: {s}"),
                                progress=lambda r: log(f"{spec.name}/{method}: {_progress_line(r)}"))
         except L47Error as e:
@@ -208,7 +210,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         t0 = time.time()
         try:
             a = run_audit(AuditArgs(bundle, spec.model, exp, mdir / "audit", ledger=mdir / "ledger.jsonl",
-                                    plots=False))
+                                    plots=False, device=device))
         except L47Error as e:
             m.update(audit_error=str(e), audit_s=round(time.time() - t0, 1))
             continue
@@ -289,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="reduced document counts (the end-to-end test)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--markdown", default="", help="append the section to this file (docs/BENCHMARKS.md)")
+    ap.add_argument("--device", default="cpu", help="torch device of the dumps, sets, solve and audit (cpu, cuda, mps)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the dumps and sets.json an earlier run wrote under the same --out (solve + audit only)")
     a = ap.parse_args(argv)
@@ -310,12 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         commit = "?"
     results = {"commit": commit, "args": " ".join(argv if argv is not None else sys.argv[1:]),
-               "machine": f"{platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
+               "machine": f"{platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
+                          + (f", device {a.device} ({torch.cuda.get_device_name()})" if a.device.startswith("cuda")
+                             else f", device {a.device}"),
                "models": {}}
     for name in models:
         t0 = time.time()
         results["models"][name] = run_model(sp[name], out / name, methods, SMALL if a.small else {},
-                                            a.max_new_tokens, lambda s: print(s, flush=True), a.reuse)
+                                            a.max_new_tokens, lambda s: print(s, flush=True), a.reuse, a.device)
         results["models"][name]["total_s"] = round(time.time() - t0, 1)
     from l47.fileio import write_text_atomic
 
