@@ -144,6 +144,40 @@ def test_blind_is_a_fresh_generation_scored_once(demo):
     assert not led.scored(read_dump(nxt).sha256)
 
 
+def test_blind_scored_by_l47_score_is_refused_on_the_demo(demo, tmp_path):
+    """The planted reuse on the real demo model: a fresh blind generation (never scored), re-saved under another
+    name and scored by `l47 score --bundle`, is then refused as the blind document (same tokens, the base model's
+    one ledger): exit 2's error, no report written, nothing appended by the refused sign-off."""
+    from l47.app.demo import MODEL, PHRASES, fresh_blind_chat
+    from l47.app.score import ScoreArgs, run_score
+    from l47.data.ledger import Ledger
+    from l47.dumps import read_dump
+    from l47.dumps.select import phrases_to_tuples
+    from l47.errors import L47Error
+    from l47.evals.audit import AuditArgs, run_audit
+    from l47.model.vocab import vocab_for_model
+    from l47.testing.planted import resave
+
+    out, _ = demo
+    s = json.loads((out / "demo_summary.json").read_text())
+    ledger = Path(s["ledger"])
+    led = Ledger.open(ledger, read_dump(s["blind"]["doc"]).meta.model)
+    pts, _ = phrases_to_tuples(PHRASES, vocab_for_model(MODEL))
+    fresh, _ = fresh_blind_chat(MODEL, tmp_path / "fresh", led, pts, 2000, None)
+    sha = read_dump(fresh).sha256
+    assert not led.scored(sha)
+    copy = resave(fresh, tmp_path / "renamed.safetensors")
+    assert read_dump(copy).sha256 == sha  # another file, the same tokens
+    run_score(ScoreArgs(MODEL, (copy,), bundle=out / "bundle.gguf", ledger=ledger))
+    assert [e.event for e in Ledger.open(ledger, led.base_sha256).scored(sha)] == ["scored"]
+    with pytest.raises(L47Error, match="scored by `score`"):
+        run_audit(AuditArgs(bundle=out / "bundle.gguf", base=MODEL, experiment=out / "experiment.toml",
+                            out_dir=tmp_path / "blind", blind=fresh, dev_report=out / "audit" / "report.json",
+                            ledger=ledger, plots=False))
+    assert not (tmp_path / "blind" / "report.json").exists()
+    assert [e.event for e in Ledger.open(ledger, led.base_sha256).scored(sha)] == ["scored"]
+
+
 def test_negative_control_fails_for_the_right_reasons(demo):
     out, _ = demo
     bars = _bars(_rep(out / "control" / "audit" / "report.json"))
