@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from l47.data.uncertainty import POOLED, residual_intervals, settings
 from l47.model import names
 from l47.errors import L47Error
 
@@ -255,12 +256,14 @@ def slop_figures(events, by_sha: Mapping[str, DocResult], vocab, special_ids: Ma
         return out
 
     phrases = list(dict.fromkeys(r["phrase"] for r in rows))
+    boot = residual_intervals(rows)  # phrase / "(all)" -> residual_interval, n_docs (bootstrap over documents)
     return {
-        **agg(rows),
+        **agg(rows), **boot[POOLED],
         "fresh": agg([r for r in rows if not r["copy"]]),
         "copies": agg([r for r in rows if r["copy"]]),
-        "per_phrase": {p: {**agg([r for r in rows if r["phrase"] == p]),
+        "per_phrase": {p: {**agg([r for r in rows if r["phrase"] == p]), **boot[p],
                            "copies": sum(r["copy"] for r in rows if r["phrase"] == p)} for p in phrases},
+        "bootstrap": settings(),
         "events": rows,
     }
 

@@ -307,16 +307,31 @@ _MD_SECTIONS = (_md_head, _md_bars, _md_bundle, _md_proxy, _md_record, _md_split
                 _md_penalty)
 
 
+def _interval_head(s: dict) -> str:
+    """The interval column's heading: its level and resampling unit (report.json `bootstrap`)."""
+    b = s.get("bootstrap") or {}
+    return f"residual {b['level']:.0%} interval (bootstrap over {b['unit']}s)" if b else "residual interval"
+
+
+def _interval_md(v: dict) -> str:
+    """'[lo, hi]' of a residual ratio's bootstrap interval, or why there is none."""
+    iv = v.get("residual_interval")
+    if iv is not None:
+        return f"[{_f(iv[0], '.3g')}, {_f(iv[1], '.3g')}]"
+    return "no interval (1 document)" if v.get("n_docs") == 1 else "no interval"
+
+
 def _slop_md(s: dict, title: str) -> list[str]:
     L = [f"## {title}", "",
          f"{s['n']} events: mean p(rejected) {_f(s['p_before'])} → {_f(s['p_after'])} (reduction {_f(s['reduction'])}, "
-         f"residual ratio {_f(s['residual_ratio'])}); fresh: {s['fresh']['n']} events {_f(s['fresh']['p_before'])} → "
-         f"{_f(s['fresh']['p_after'])}; in-context copies: {s['copies']['n']} events {_f(s['copies']['p_before'])} → "
-         f"{_f(s['copies']['p_after'])}", ""]
-    L += _table(["phrase", "n", "copies", "p before", "p after", "reduction", "penalty alone", "bundle + penalty",
-                 "argmax special after"],
-                [[k, v["n"], v["copies"], v["p_before"], v["p_after"], v["reduction"], v.get("p_penalty"),
-                  v.get("p_stacked"), v.get("argmax_special_after")] for k, v in s["per_phrase"].items()])
+         f"residual ratio {_f(s['residual_ratio'])}, {_interval_md(s)}); fresh: {s['fresh']['n']} events "
+         f"{_f(s['fresh']['p_before'])} → {_f(s['fresh']['p_after'])}; in-context copies: {s['copies']['n']} events "
+         f"{_f(s['copies']['p_before'])} → {_f(s['copies']['p_after'])}", ""]
+    L += _table(["phrase", "n", "docs", "copies", "p before", "p after", "reduction", "residual", _interval_head(s),
+                 "penalty alone", "bundle + penalty", "argmax special after"],
+                [[k, v["n"], v.get("n_docs"), v["copies"], v["p_before"], v["p_after"], v["reduction"],
+                  v["residual_ratio"], _interval_md(v), v.get("p_penalty"), v.get("p_stacked"),
+                  v.get("argmax_special_after")] for k, v in s["per_phrase"].items()])
     ev = s.get("events") or []
     if ev:
         L += _table(["phrase", "doc", "pos", "copy", "context", "p before", "p after", "new argmax"],

@@ -12,6 +12,7 @@ Precision: f64 sums; replicate weights are integer draw counts.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ from l47.errors import L47Error
 
 N_BOOT = 2000
 LEVEL = 0.90
+POOLED = "(all)"  # per_phrase_bootstrap's key of the pooled figure (every phrase's events together)
 
 
 def bootstrap_over_documents(docs: Sequence, num: Sequence[float], den: Sequence[float] | None = None, *,
@@ -69,11 +71,13 @@ def bootstrap_over_documents(docs: Sequence, num: Sequence[float], den: Sequence
 def per_phrase_bootstrap(events: Iterable[Mapping], *, num: str = "p_after", den: str | None = "p_before",
                          doc: str = "doc_sha256", phrase: str = "phrase", n_boot: int = N_BOOT,
                          level: float = LEVEL, seed: int = 0) -> dict[str, dict]:
-    """phrase → `bootstrap_over_documents` of Σ num / Σ den over that phrase's events, plus "(all)" pooled.
+    """phrase → `bootstrap_over_documents` of Σ num / Σ den over that phrase's events, plus POOLED ("(all)").
 
     events: mappings with the named keys (the audit's slop rows: doc_sha256, phrase, p_before, p_after; an
     EventRecord converted with dataclasses.asdict works with num="p_base", den=None). Each phrase gets its own
-    stream (seed + its index in first-seen order) so adding a phrase does not move the others' intervals.
+    stream, seeded by `key_seed(phrase, seed)` ("(all)" by its own key): neither the order of the rows nor the
+    other phrases move a phrase's interval, so two readers of the same events (the solver's dev rows, the audit's)
+    get the same interval.
     """
     rows = list(events)
     by: dict[str, list[Mapping]] = {}
@@ -85,9 +89,42 @@ def per_phrase_bootstrap(events: Iterable[Mapping], *, num: str = "p_after", den
                                         None if den is None else [float(r[den]) for r in rs],
                                         n_boot=n_boot, level=level, seed=s)
 
-    out = {p: one(rs, seed + i) for i, (p, rs) in enumerate(by.items())}
-    out["(all)"] = one(rows, seed + len(by))
+    out = {p: one(rs, key_seed(p, seed)) for p, rs in by.items()}
+    out[POOLED] = one(rows, key_seed(POOLED, seed))
     return out
 
 
-__all__ = ["N_BOOT", "LEVEL", "bootstrap_over_documents", "per_phrase_bootstrap"]
+def key_seed(key: str, seed: int = 0) -> int:
+    """The generator seed of one phrase's (or POOLED's) bootstrap: 64 bits of sha256("<seed>:<key>")."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()[:8], "little")
+
+
+def interval(b: Mapping) -> list[float] | None:
+    """[lo, hi] of a `bootstrap_over_documents` result; None when it has none (fewer than 2 documents)."""
+    return None if b.get("lo") is None else [b["lo"], b["hi"]]
+
+
+def phrase_intervals(rows: Iterable[Mapping], num: str = "p_after", den: str | None = "p_before") -> dict[str, dict]:
+    """phrase (and POOLED "(all)") -> {value, interval: [lo, hi] | None, n_events, n_docs}: Σ num / Σ den over the
+    phrase's rows (den None: the mean of num) and its interval bootstrapped over DOCUMENTS (rows carry
+    doc_sha256 and phrase) by `per_phrase_bootstrap` with its fixed default seed: the same rows, in any order, give
+    the same interval. None with fewer than 2 documents."""
+    return {k: {"value": b["value"], "interval": interval(b), "n_events": b["n_events"], "n_docs": b["n_docs"]}
+            for k, b in per_phrase_bootstrap(rows, num=num, den=den).items()}
+
+
+def residual_intervals(rows: Iterable[Mapping]) -> dict[str, dict]:
+    """phrase (and POOLED) -> {residual_interval: [lo, hi] | None, n_docs}: `phrase_intervals` of the residual
+    ratio Σ p_after / Σ p_before over the event rows (doc_sha256, phrase, p_before, p_after). The audit's slop
+    figures and the sweep's dev figures."""
+    return {k: {"residual_interval": v["interval"], "n_docs": v["n_docs"]} for k, v in phrase_intervals(rows).items()}
+
+
+def settings(seed: int = 0) -> dict:
+    """What a report states about its intervals: the resampling unit, replicates, level and seed."""
+    return {"unit": "document", "n_boot": N_BOOT, "level": LEVEL, "seed": seed, "interval": "percentile",
+            "stream": "per phrase: key_seed(phrase, seed)"}
+
+
+__all__ = ["N_BOOT", "LEVEL", "POOLED", "bootstrap_over_documents", "per_phrase_bootstrap", "key_seed", "interval",
+           "phrase_intervals", "residual_intervals", "settings"]
