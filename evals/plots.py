@@ -127,10 +127,20 @@ def write_plots(folder: Path, report: dict, docs) -> list[str]:
 SWEEP_PLOT_TITLE = "l47 solve --sweep"  # the PNG's Title metadata: how an existing plot is recognised as ours
 
 
+def _yerr(y: list[float], ivs: list) -> np.ndarray:
+    """[2, C] error-bar lengths below / above each value from its [lo, hi] interval (0 where there is none)."""
+    out = np.zeros((2, len(y)))
+    for j, (v, iv) in enumerate(zip(y, ivs)):
+        if iv is not None and np.isfinite(v):
+            out[:, j] = max(v - iv[0], 0.0), max(iv[1] - v, 0.0)
+    return out
+
+
 def plot_sweep(path: Path, sweep) -> str:
     """`l47 solve --sweep`'s plot, written atomically: per candidate (l47.data.record.SweepRecord) its dev residual
-    per phrase (small markers), worst phrase (line) and pooled (squares) vs its exact background KL; the KL budget
-    as a vertical line, the chosen candidate ringed."""
+    per phrase (small markers), worst phrase (line) and pooled (squares) vs its exact background KL, the markers
+    with their 90 % intervals over dev documents as error bars; the KL budget as a vertical line, the chosen
+    candidate ringed."""
     import io
 
     from l47.fileio import write_bytes_atomic
@@ -140,9 +150,13 @@ def plot_sweep(path: Path, sweep) -> str:
     fig = _fig(8.0, 4.8)
     ax = fig.add_subplot(1, 1, 1)
     for ph in sorted({p for c in cs for p in c.dev_residual_per_phrase}):
-        ax.plot(kl, [c.dev_residual_per_phrase.get(ph, np.nan) for c in cs], "o", ms=4, alpha=0.6, label=ph)
+        y = [c.dev_residual_per_phrase.get(ph, np.nan) for c in cs]
+        ax.errorbar(kl, y, yerr=_yerr(y, [c.dev_residual_interval_per_phrase.get(ph) for c in cs]), fmt="o", ms=4,
+                    alpha=0.6, capsize=2, lw=0.8, label=ph)
     ax.plot(kl, [c.dev_residual_worst for c in cs], "-", color="k", lw=1, label="worst phrase")
-    ax.plot(kl, [c.dev_residual for c in cs], "s", color="k", ms=5, label="pooled")
+    y = [c.dev_residual for c in cs]
+    ax.errorbar(kl, y, yerr=_yerr(y, [c.dev_residual_interval for c in cs]), fmt="s", color="k", ms=5, capsize=3,
+                lw=1, label="pooled")
     for c in cs:
         ax.annotate(c.name, (c.background_kl_exact, c.dev_residual_worst), fontsize=7, xytext=(3, 3),
                     textcoords="offset points")

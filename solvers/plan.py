@@ -3,7 +3,9 @@
 For each phrase: its events per set, base p(rejected), the logit gap its events must lose to reach the target
 residual, how much of each event's key `hh` lies inside the protected anchors' span, and the largest reduction
 reachable under the hard constraints alone within the KL budget — on the linearised problem, so it is a bound of
-first order, not a promise. Then the anchors' rank against f and which words' anchors cost the most of it.
+first order, not a promise. The mean base p over its train (and dev) events carries a 90 % interval bootstrapped
+over documents (l47.data.uncertainty): how well its few documents pin the starting point down. Then the
+anchors' rank against f and which words' anchors cost the most of it.
 
 The linearised problem (ΔW = Y Bᵀ, B the anchors' null space; KL ≈ ½ tr(ΔWᵀ G ΔW A), the K-FAC metric of
 solvers/fisher.py with its sampled tail, at the base): for event e with rejected r and chosen natural alternative
@@ -22,7 +24,7 @@ Precision: f64 for every solve step, f32 forward.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -53,6 +55,10 @@ class PhrasePlan:
     reachable_residual: float  # the residual ratio that gap gives at the mean base p
     joint_kl_share: float  # share of the least KL reaching every target (all phrases together) spent on it
     binding: str  # none | no train events | anchors' span | KL budget
+    # mean base p(rejected) over its train (dev) events with its 90 % interval bootstrapped over documents:
+    # {value, interval: [lo, hi] | None (< 2 documents), n_events, n_docs}; None without events of that set
+    p_base_train: dict | None = None
+    p_base_dev: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,18 @@ class PlanInputs:
     turn_ends: int
     target: float  # residual ratio aimed at per phrase
     kl_budget: float  # nats, mean background KL
+    event_doc: list[str] = field(default_factory=list)  # [E] the document (sha256) of each train event
+    dev: list[dict] = field(default_factory=list)  # the dev events: {doc_sha256, phrase, p_base}
+
+
+def base_p_intervals(rows: list[dict]) -> dict[str, dict]:
+    """phrase -> {value, interval, n_events, n_docs}: the mean base p(rejected) over the phrase's event rows
+    ({doc_sha256, phrase, p_base}) and its interval bootstrapped over documents (l47.data.uncertainty)."""
+    from l47.data.uncertainty import POOLED, phrase_intervals
+
+    out = phrase_intervals(rows, num="p_base", den=None)
+    out.pop(POOLED)
+    return out
 
 
 @dataclass
@@ -151,6 +169,10 @@ def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig())
     notes: list[str] = []
     joint = _joint(w, inp, B, cfg, d_need, blocked, notes) if movable else _Joint()
     out = [_phrase_plan(ph, inp, share, blocked, d_need, joint) for ph in inp.phrases]
+    train = base_p_intervals([{"doc_sha256": d, "phrase": ph, "p_base": float(p)}
+                              for d, ph, p in zip(inp.event_doc, inp.event_phrase, inp.event_p)])
+    dev = base_p_intervals(inp.dev)
+    out = [replace(p, p_base_train=train.get(p.phrase), p_base_dev=dev.get(p.phrase)) for p in out]
     if math.isfinite(joint.exact_kl) and joint.exact_kl > inp.kl_budget:
         notes.append(f"the least-KL edit reaching every phrase's linearised target has an exact background KL of "
                      f"{joint.exact_kl:.3g} nats > the budget {inp.kl_budget:.3g}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -322,7 +322,9 @@ def check_feasible(plan: "SolvePlan", sel: Selection, prob: "Problem"):
     return feasibility(plan.w, PlanInputs(
         phrases, counts, {k: float(np.mean(v)) if v else float("nan") for k, v in pb.items()}, prob.events,
         [e.phrase for e in sel.train], np.asarray([e.p_base for e in sel.train]), prob.terms, prob.background,
-        prob.anchors, words, len(sel.turn_ends), plan.cfg.target_residual, kl_budget(plan)), plan.cfg.wfld)
+        prob.anchors, words, len(sel.turn_ends), plan.cfg.target_residual, kl_budget(plan),
+        [e.doc_sha256 for e in sel.train],
+        [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_base": e.p_base} for e in sel.dev]), plan.cfg.wfld)
 
 
 def describe_feasibility(fp) -> list[str]:
@@ -422,15 +424,31 @@ def requantize(plan: SolvePlan, dW: torch.Tensor) -> Shipped:
     return Shipped(raw, W_q.to(plan.w.device))
 
 
-def _p_rejected(plan: SolvePlan, events: list, W_q) -> rec.PRejected | None:
-    """Mean base and shipped p(rejected) over `events`, overall and per phrase."""
+def event_p(plan: SolvePlan, events: list, W_q) -> tuple[np.ndarray, np.ndarray]:
+    """(base, shipped) p(rejected) at each of `events` [P], [P] (exact forward; empty arrays for no event)."""
     if not events:
-        return None
+        return np.zeros(0), np.zeros(0)
     b = plan.dumps.batch([(e.doc_sha256, e.pos) for e in events])
     finals = np.array([e.final for e in events])
     with torch.no_grad():
         p0 = np.exp(head_stats(batch_mix(b, plan.w), plan.w, finals).logp_target)  # [P]
         p1 = np.exp(head_stats(batch_mix(b, plan.w, W_sd=W_q), plan.w, finals).logp_target)  # [P]
+    return p0, p1
+
+
+def event_rows(events: list, p0: np.ndarray, p1: np.ndarray) -> list[dict]:
+    """One row per event {doc_sha256, phrase, p_before, p_after} (p0, p1 [P] from `event_p`): what
+    l47.data.uncertainty bootstraps over documents."""
+    return [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_before": float(a), "p_after": float(b)}
+            for e, a, b in zip(events, p0, p1)]
+
+
+def _p_rejected(plan: SolvePlan, events: list, W_q, p: tuple | None = None) -> rec.PRejected | None:
+    """Mean base and shipped p(rejected) over `events`, overall and per phrase (`p`: their `event_p`, when
+    already measured)."""
+    if not events:
+        return None
+    p0, p1 = event_p(plan, events, W_q) if p is None else p
     phr = [e.phrase for e in events]
 
     def per_phrase(p):
@@ -459,8 +477,9 @@ def _anchor_claims(plan: SolvePlan, an: Batch | None, dW, W_q) -> rec.AnchorClai
 
 
 def measure(plan: SolvePlan, sel: Selection, prob: Problem, solved: Solved, shipped: Shipped, feas=None,
-            choice: AnchorChoice | None = None) -> rec.SolveClaims:
-    """Every claimed figure, on the re-quantised weights (exact forward)."""
+            choice: AnchorChoice | None = None, dev_p: tuple | None = None) -> rec.SolveClaims:
+    """Every claimed figure, on the re-quantised weights (exact forward). `dev_p`: the dev events' `event_p` on
+    these weights, when already measured."""
     w, W_q = plan.w, shipped.W_q
     base_raw = np.asarray(plan.base_g.raw(w.target))
     with torch.no_grad():
@@ -471,7 +490,7 @@ def measure(plan: SolvePlan, sel: Selection, prob: Problem, solved: Solved, ship
         dW_rel_norm_float=float(solved.dW.norm() / w.W_sd.norm()),
         blocks_changed=int((shipped.raw.reshape(-1, 34) != base_raw.reshape(-1, 34)).any(1).sum()),
         train_p_rejected=_p_rejected(plan, sel.train, W_q),
-        dev_p_rejected=_p_rejected(plan, sel.dev, W_q),
+        dev_p_rejected=_p_rejected(plan, sel.dev, W_q, dev_p),
         background_kl_exact=float(bg.kld.mean()),
         background_kl_predicted=solved.predicted_bg_kl,
         anchors=_anchor_claims(plan, prob.anchors, solved.dW, W_q),
@@ -592,6 +611,7 @@ class Measured:
 
     shipped: Shipped
     claims: rec.SolveClaims
+    dev_rows: list = field(default_factory=list)  # `event_rows` of the dev events on the shipped weights
 
 
 def solve_and_measure(plan: SolvePlan, posed: Posed, log, progress) -> Measured:
@@ -602,7 +622,9 @@ def solve_and_measure(plan: SolvePlan, posed: Posed, log, progress) -> Measured:
     solved = solve_problem(plan, posed.sel, posed.prob, log, progress)
     check_finite(solved.dW, f"l47 solve ({plan.cfg.method})", "ΔW (the solver's result)")  # never shipped
     shipped = requantize(plan, solved.dW)
-    return Measured(shipped, measure(plan, posed.sel, posed.prob, solved, shipped, posed.feas, posed.choice))
+    dev_p = event_p(plan, posed.sel.dev, shipped.W_q)
+    claims = measure(plan, posed.sel, posed.prob, solved, shipped, posed.feas, posed.choice, dev_p)
+    return Measured(shipped, claims, event_rows(posed.sel.dev, *dev_p))
 
 
 def _stamps(other_model_notes) -> list[str]:

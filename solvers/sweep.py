@@ -35,8 +35,8 @@ RULE = ("among the candidates whose exact background KL is within the budget: th
         "phrases of log max(dev residual, target residual), FTPO's kept-step score), then the lowest worst-phrase "
         "dev residual, then the lowest KL (a lexicographic minimum, so no candidate tried is at least as good on "
         "all three and better on one); none within: the least KL")
-TABLE_COLUMNS = ("candidate", "overrides", "background_kl_exact", "dev_removal", "dev_residual", "dev_residual_worst",
-                 "within_budget", "on_frontier", "chosen", "stop_reason")
+TABLE_COLUMNS = ("candidate", "overrides", "background_kl_exact", "dev_removal", "dev_residual", "dev_residual_lo",
+                 "dev_residual_hi", "dev_residual_worst", "within_budget", "on_frontier", "chosen", "stop_reason")
 
 
 def sweep_paths_for(bundle: Path) -> tuple[Path, Path]:
@@ -112,17 +112,25 @@ def _num(x) -> str:
     return repr(float(x)) if isinstance(x, float) else str(x)
 
 
+def _lo_hi(iv) -> list[float]:
+    """An interval's two ends; nan, nan when there is none (fewer than 2 dev documents)."""
+    return [float("nan")] * 2 if iv is None else list(iv)
+
+
 def table_text(sw: rec.SweepRecord) -> str:
     """The sweep as TSV: one row per candidate, every number as the record holds it (repr of the float), then
-    one column per phrase (dev residual of that phrase)."""
+    three columns per phrase (dev residual of that phrase and its interval's ends over dev documents)."""
     import json
 
     phrases = sorted({ph for c in sw.candidates for ph in c.dev_residual_per_phrase})
-    lines = ["\t".join(TABLE_COLUMNS + tuple(f"dev_residual[{ph}]" for ph in phrases))]
+    lines = ["\t".join(TABLE_COLUMNS + tuple(f"dev_residual{k}[{ph}]" for ph in phrases for k in ("", "_lo", "_hi")))]
     for c in sw.candidates:
         row = [c.name, json.dumps(c.overrides, sort_keys=True), c.background_kl_exact, c.dev_removal, c.dev_residual,
-               c.dev_residual_worst, c.within_budget, c.on_frontier, c.chosen, c.stop_reason or ""]
-        row += [c.dev_residual_per_phrase.get(ph, float("nan")) for ph in phrases]
+               *_lo_hi(c.dev_residual_interval), c.dev_residual_worst, c.within_budget, c.on_frontier, c.chosen,
+               c.stop_reason or ""]
+        for ph in phrases:
+            row += [c.dev_residual_per_phrase.get(ph, float("nan")),
+                    *_lo_hi(c.dev_residual_interval_per_phrase.get(ph))]
         lines.append("\t".join(_num(x) for x in row))
     return "\n".join(lines) + "\n"
 
@@ -139,12 +147,19 @@ def read_table(path: Path) -> list[dict[str, str]]:
 
 
 def _candidate(name: str, ov: dict, m, target: float) -> rec.SweepCandidate:
+    """A candidate's dev figures from its Measured (claims, and the dev event rows for the intervals over
+    documents: l47.data.uncertainty.residual_intervals)."""
+    from l47.data.uncertainty import POOLED, residual_intervals
+
     score, pooled, worst, per = dev_figures(m.claims, target)
+    iv = residual_intervals(m.dev_rows)
     cv = m.claims.convergence
     return rec.SweepCandidate(name=name, overrides=ov, background_kl_exact=m.claims.background_kl_exact,
                               dev_removal=score, dev_residual=pooled, dev_residual_worst=worst, dev_residual_per_phrase=per,
                               within_budget=False, on_frontier=False, chosen=False,
-                              stop_reason=None if cv is None else cv.stop_reason)
+                              stop_reason=None if cv is None else cv.stop_reason,
+                              dev_residual_interval=iv[POOLED]["residual_interval"],
+                              dev_residual_interval_per_phrase={ph: iv[ph]["residual_interval"] for ph in per})
 
 
 def _step_progress(progress, name: str, i: int, n: int):

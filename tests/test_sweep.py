@@ -180,3 +180,58 @@ def test_choose_marks_budget_frontier_and_the_most_removal():
     assert why.startswith("c:")
     out, why = choose(cs, 0.1)
     assert [c.chosen for c in out] == [True, False, False, False] and "no candidate is within" in why
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dev residuals with their intervals over documents (issue 12 item 9)
+
+
+def test_one_dev_document_gives_no_interval(swept):
+    """The world has one dev chat: no spread over documents to estimate, so every interval is None in the record
+    and nan in the table (and the point figures stay as they were)."""
+    sw = swept["record"].sweep
+    rows = read_table(sweep_paths_for(swept["out"] / "b.gguf")[1])
+    for r, c in zip(rows, sw.candidates):
+        assert c.dev_residual_interval is None
+        assert c.dev_residual_interval_per_phrase == {ph: None for ph in c.dev_residual_per_phrase}
+        assert r["dev_residual_lo"] == r["dev_residual_hi"] == "nan"
+        assert all(r[f"dev_residual_{k}[{ph}]"] == "nan" for ph in c.dev_residual_per_phrase for k in ("lo", "hi"))
+
+
+def test_sweep_intervals_equal_the_audit_s_on_two_dev_documents(world, tmp_path):
+    """heldout_b moved to dev (two dev chats; 'rather than' is in one of them only). Reference: the audit of the
+    chosen bundle computes the same intervals from ITS per-document scoring (slop.per_set.dev, another forward
+    path, events in another order) with the same bootstrap streams; tolerance 1e-5 relative (f32 forwards of the
+    same weights). Every interval holds its point; the table carries the record's numbers exactly. 20 FTPO steps
+    per candidate: the figures need not be good, only measured."""
+    from test_audit import _audit_exp, _variant
+
+    base = _variant(world, "twodev", {"dev": [world["paths"]["heldout_b"].name]}, drop=("heldout_b",))
+    exp = world["root"] / "sweep_twodev.toml"
+    exp.write_text(base.read_text() + '\n[solver]\nmethod = "ftpo"\n\n[solver.ftpo]\nsteps = 20\neval_every = 10\n')
+    r = _cli("solve", exp, "--sweep", "--out", tmp_path / "b.gguf", "--model", world["base"], "--ledger",
+             tmp_path / "ledger.jsonl")
+    assert r.exit_code == 0, r.output
+    sw = read_record(record_path_for(tmp_path / "b.gguf")).sweep
+    rows = read_table(sweep_paths_for(tmp_path / "b.gguf")[1])
+    for row, c in zip(rows, sw.candidates):
+        ivs = c.dev_residual_interval_per_phrase
+        assert ivs["rather than"] is None  # its dev events are all in heldout_b
+        for ph in ("end to end", "right away"):
+            lo, hi = ivs[ph]
+            assert lo <= c.dev_residual_per_phrase[ph] <= hi
+            assert [float(row[f"dev_residual_lo[{ph}]"]), float(row[f"dev_residual_hi[{ph}]"])] == [lo, hi]
+        lo, hi = c.dev_residual_interval
+        assert lo <= c.dev_residual <= hi and lo < hi
+        assert [float(row["dev_residual_lo"]), float(row["dev_residual_hi"])] == [lo, hi]
+    ch = next(c for c in sw.candidates if c.chosen)
+    rep = _audit_exp(world, tmp_path / "b.gguf", tmp_path / "audit", exp).report
+    dev = rep["slop"]["per_set"]["dev"]
+    assert dev["residual_interval"] == pytest.approx(ch.dev_residual_interval, rel=1e-5)
+    assert dev["residual_ratio"] == pytest.approx(ch.dev_residual, rel=1e-5)
+    for ph, v in dev["per_phrase"].items():
+        assert v["residual_ratio"] == pytest.approx(ch.dev_residual_per_phrase[ph], rel=1e-5)
+        if ch.dev_residual_interval_per_phrase[ph] is None:
+            assert v["residual_interval"] is None and v["n_docs"] == 1
+        else:
+            assert v["residual_interval"] == pytest.approx(ch.dev_residual_interval_per_phrase[ph], rel=1e-5)

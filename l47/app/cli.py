@@ -376,6 +376,15 @@ def plan(
     raise typer.Exit(1 if short else 0)
 
 
+def _p_interval(b: dict | None) -> str:
+    """'mean [lo, hi]' of a plan's base p over one set's events (interval bootstrapped over documents); the
+    number of documents instead of an interval when there are fewer than 2; '—' without events."""
+    if b is None:
+        return "—"
+    iv = b["interval"]
+    return f"{b['value']:.3f} " + (f"[{iv[0]:.3f}, {iv[1]:.3f}]" if iv is not None else f"({b['n_docs']} doc)")
+
+
 def _plan(experiment, model, sets_json, json_out, device) -> bool:
     import json
 
@@ -385,11 +394,13 @@ def _plan(experiment, model, sets_json, json_out, device) -> bool:
     fp, choice = run_plan(SolveArgs(experiment, "wfld", Path("/nonexistent/plan-only.gguf"), model, False, device,
                                     None, sets_json), log=lambda m: console.print(m, highlight=False))
     t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats")
-    for c in ("phrase", "train", "dev", "heldout", "base p", "needed", "reachable", "resid.", "in span", "binding"):
+    for c in ("phrase", "train", "dev", "heldout", "base p", "train p [90%]", "dev p [90%]", "needed", "reachable",
+              "resid.", "in span", "binding"):
         t.add_column(c, justify="left" if c in ("phrase", "binding") else "right")
     for p in fp.phrases:
         t.add_row(p.phrase, str(p.events.get("train", 0)), str(p.events.get("dev", 0)),
-                  str(p.events.get("heldout", 0)), _fmt(p.p_base, ".3f"), _fmt(p.needed_gap, ".2f"),
+                  str(p.events.get("heldout", 0)), _fmt(p.p_base, ".3f"), _p_interval(p.p_base_train),
+                  _p_interval(p.p_base_dev), _fmt(p.needed_gap, ".2f"),
                   _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.span_share_mean, ".0%"),
                   p.binding)
     from l47.app.tables import fit

@@ -99,6 +99,11 @@ def _overrides(ov: dict, pre: str = "") -> str:
                     for k, v in ov.items())
 
 
+def _interval_text(iv) -> str:
+    """' [lo, hi]' of a bootstrap interval over documents; '' when there is none (fewer than 2 documents)."""
+    return "" if iv is None else f" [{iv[0]:.3g}, {iv[1]:.3g}]"
+
+
 def print_sweep(res, console: Console) -> None:
     """The sweep's candidates (dev figures, exact KL) and the choice; draws the plot beside the bundle."""
     from l47.evals.plots import plot_sweep
@@ -108,11 +113,12 @@ def print_sweep(res, console: Console) -> None:
     png, tsv = sweep_paths_for(res.bundle)
     plot_sweep(png, sw)
     t = Table(title=f"sweep on dev (KL budget {sw.budget:.4g}; re-quantised, exact forward)")
-    for col in ("", "overrides", "exact KL", "removal", "dev pooled", "dev worst", "≤ budget", "frontier", "chosen"):
+    for col in ("", "overrides", "exact KL", "removal", "dev pooled [90% over docs]", "dev worst", "≤ budget",
+                "frontier", "chosen"):
         t.add_column(col, justify="left" if col in ("", "overrides") else "right")
     for c in sw.candidates:
         t.add_row(c.name, Text(_overrides(c.overrides)), f"{c.background_kl_exact:.3g}", f"{c.dev_removal:.3f}",
-                  f"{c.dev_residual:.4g}",
+                  f"{c.dev_residual:.4g}" + _interval_text(c.dev_residual_interval),
                   f"{c.dev_residual_worst:.4g}", "yes" if c.within_budget else "no",
                   "yes" if c.on_frontier else "no", "[bold]yes[/]" if c.chosen else "")
     console.print(t)

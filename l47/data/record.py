@@ -164,6 +164,10 @@ class SweepCandidate:
     on_frontier: bool  # no other candidate has ≤ removal score, ≤ worst residual and ≤ KL, one strictly
     chosen: bool
     stop_reason: str | None = None  # the solver's (SolveClaims.convergence)
+    # the residuals' 90 % intervals, bootstrapped over dev DOCUMENTS (l47.data.uncertainty.residual_intervals):
+    # [lo, hi], None with fewer than 2 documents; absent (None / {}) in records written before they existed
+    dev_residual_interval: list[float] | None = None  # of the pooled dev_residual
+    dev_residual_interval_per_phrase: dict[str, list[float] | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
