@@ -324,7 +324,7 @@ def _interval_md(v: dict) -> str:
 def _slop_md(s: dict, title: str) -> list[str]:
     L = [f"## {title}", "",
          f"{s['n']} events: mean p(rejected) {_f(s['p_before'])} → {_f(s['p_after'])} (reduction {_f(s['reduction'])}, "
-         f"residual ratio {_f(s['residual_ratio'])}, {_interval_md(s)}); fresh: {s['fresh']['n']} events "
+         f"residual ratio {_f(s['residual_ratio'])}, 90 % interval over documents {_interval_md(s)}); fresh: {s['fresh']['n']} events "
          f"{_f(s['fresh']['p_before'])} → {_f(s['fresh']['p_after'])}; in-context copies: {s['copies']['n']} events "
          f"{_f(s['copies']['p_before'])} → {_f(s['copies']['p_after'])}", ""]
     L += _table(["phrase", "n", "docs", "copies", "p before", "p after", "reduction", "residual", _interval_head(s),
