@@ -313,6 +313,12 @@ def _interval_head(s: dict) -> str:
     return f"residual {b['level']:.0%} interval (bootstrap over {b['unit']}s)" if b else "residual interval"
 
 
+def _level(s: dict) -> str:
+    """The intervals' level as the report states it (report.json `bootstrap`), e.g. '90 %'."""
+    b = s.get("bootstrap") or {}
+    return f"{b['level'] * 100:.0f} %" if b else "the"
+
+
 def _interval_md(v: dict) -> str:
     """'[lo, hi]' of a residual ratio's bootstrap interval, or why there is none."""
     iv = v.get("residual_interval")
@@ -324,7 +330,7 @@ def _interval_md(v: dict) -> str:
 def _slop_md(s: dict, title: str) -> list[str]:
     L = [f"## {title}", "",
          f"{s['n']} events: mean p(rejected) {_f(s['p_before'])} → {_f(s['p_after'])} (reduction {_f(s['reduction'])}, "
-         f"residual ratio {_f(s['residual_ratio'])}, 90 % interval over documents {_interval_md(s)}); fresh: {s['fresh']['n']} events "
+         f"residual ratio {_f(s['residual_ratio'])}, {_level(s)} interval over documents {_interval_md(s)}); fresh: {s['fresh']['n']} events "
          f"{_f(s['fresh']['p_before'])} → {_f(s['fresh']['p_after'])}; in-context copies: {s['copies']['n']} events "
          f"{_f(s['copies']['p_before'])} → {_f(s['copies']['p_after'])}", ""]
     L += _table(["phrase", "n", "docs", "copies", "p before", "p after", "reduction", "residual", _interval_head(s),
