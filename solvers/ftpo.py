@@ -20,7 +20,8 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
   budget = the solve's mean background KL budget; q = p restricted to the base top-K at the row without the
   banned token(s) and the special tokens, renormalised (at a near miss the natural continuation keeps its share,
   at an event the freed mass spreads as the base spreads it); groups are the collateral words, tol_word = |bar
-  (d)'s word mean|, and the real turn ends, tol = |bar (f)'s mean Δlog p(<|im_end|>)|; tol_special is bar (f)'s
+  (d)'s word mean|, the real turn ends and (one more group) the background rows where the turn may end (base
+  p(<|im_end|>) ≥ plausible_end_p), tol = |bar (f)'s mean Δlog p(<|im_end|>)|; tol_special is bar (f)'s
   allowed rise of Σ p(special) at slop positions (a hinge on the log-probs instead held the special tokens'
   SHARE of the freed mass at zero: a near-certain token could then not lose its mass at all).
   Near ties are the background rows and real turn ends whose base top two tokens t1, t2 are one special token and
@@ -98,6 +99,10 @@ class FtpoConfig:
     background_batch: int = 512  # background positions per step (rotating); the exact KL uses all of them
     kl_rows: int = 65536  # background (and dev) positions at most: every row of the documents up to this cap
     anchor_batch: int = 256  # soft anchors per step (rotating; 0: all)
+    plausible_end_p: float = 0.05  # background rows whose base p(<|im_end|>) is at least this (the turn may end
+    # there) hold log p(<|im_end|>) like the real turn ends (one more anchor group; 0: off). Real turn ends are ~1
+    # per chat, and where the model is unsure whether to end (p 0.01–0.4) unseen ones moved ±0.13 nats
+    plausible_end_rows: int = 4096  # ... at most this many (the largest base p first)
     eval_every: int = 10
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
     seed: int = 0
@@ -127,6 +132,7 @@ class FtpoProblem:
     # confidence (its upper bound over documents); None: the dev mean within kl_budget
     special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
     im_end: int | None = None  # the turn-end token: the judge counts turn ends (dev rows, anchors) that lose its argmax
+    im_end_tol: float = 0.005  # nats of Δlog p(<|im_end|>) that cost λ_coll at a plausible turn end (bar (f)'s)
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
 
 
@@ -433,6 +439,7 @@ class _Objective:
             self.lse0_bg = st.lse.to(dev_)  # [B] f64
             self.lm0_special = (self._log_special_mass(self.mix0_bg, self.lse0_bg)
                                 if self.special.numel() else None)  # [B]
+            self.pe_rows, self.lp0_pe, self.notes = self._plausible_ends(w, pb, cfg)
             self.lp0_an = self.an_group = self.an_tol = None
             if pb.anchors is not None and pb.anchors.P:
                 self.lp0_an = logp_at(batch_mix(pb.anchors, w), w, pb.anchors.target)  # [A]
@@ -440,6 +447,7 @@ class _Objective:
                 self.an_group = torch.as_tensor([gi[g] for g in pb.anchor_group], device=dev_)
                 self.an_tol = torch.as_tensor(pb.anchor_tol, dtype=torch.float32, device=dev_)
         self.an_rows = _Rotation(0 if self.lp0_an is None else pb.anchors.P, cfg.anchor_batch, cfg.seed + 1, dev_)
+        self.pe_rot = _Rotation(0 if self.pe_rows is None else self.pe_rows.numel(), cfg.anchor_batch, cfg.seed + 2, dev_)
         self.teth_ev = _Tether(ev, w, terms.rejected, self.special, cfg.tether_topk)
         with torch.no_grad():
             self.o0 = log_odds(logits_at(mix0_ev, w, terms.rejected[:, None])[:, 0], self.teth_ev.z0,
@@ -450,6 +458,23 @@ class _Objective:
         tie_rows = [pb.background] + ([batch_rows(pb.anchors, torch.as_tensor(ends, device=dev_))] if ends else [])
         self.ties = (_NearTies(tie_rows, w, self.special, cfg.flip_margin)
                      if self.special.numel() and cfg.lambda_flip > 0 else None)
+
+    def _plausible_ends(self, w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig):
+        """(rows [N] into the background, their base log p(<|im_end|>) [N] f32, notes): the background rows where
+        the turn may end — base p(<|im_end|>) ≥ plausible_end_p, the target not <|im_end|> itself (those are the real
+        turn ends) — at most plausible_end_rows of them, the most likely first. (None, None, []) when off or none."""
+        if pb.im_end is None or cfg.plausible_end_p <= 0 or cfg.plausible_end_rows <= 0:
+            return None, None, []
+        ids = torch.full((self.mix0_bg.shape[0], 1), int(pb.im_end), device=self.mix0_bg.device)
+        lp = (logits_at(self.mix0_bg, w, ids)[:, 0].double() - self.lse0_bg)  # [B] f64
+        ok = (lp >= math.log(cfg.plausible_end_p)) & (pb.background.target.to(lp.device) != int(pb.im_end))
+        rows = torch.nonzero(ok)[:, 0]  # [N]
+        if not rows.numel():
+            return None, None, []
+        rows = rows[torch.argsort(lp[rows], descending=True)[: cfg.plausible_end_rows]]
+        return rows, lp[rows].float(), [f"plausible turn ends: {rows.numel()} background rows with base "
+                                        f"p(<|im_end|>) ≥ {cfg.plausible_end_p:g} hold log p(<|im_end|>) (tol "
+                                        f"{pb.im_end_tol:g} nats)"]
 
     def _log_special_mass(self, mix: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """log Σ_s p_s per row [B] given the rows' log-sum-exp."""
@@ -490,6 +515,13 @@ class _Objective:
             a = self.an_rows()  # a rotating subset of the anchors
             dlp = logp_at(batch_mix(batch_rows(pb.anchors, a), w, dW=dW), w, pb.anchors.target[a]) - self.lp0_an[a]  # [a]
             coll = per_group_mean(soft_anchor(dlp, self.an_tol[a]), self.an_group[a])
+        if self.pe_rows is not None:  # the plausible turn ends: one more group of the soft anchors
+            k = self.pe_rot()
+            r = self.pe_rows[k]
+            mix_pe = batch_mix(batch_rows(pb.background, r), w, dW=dW)
+            dlp = logp_at(mix_pe, w, torch.full_like(r, int(pb.im_end))) - self.lp0_pe[k]  # [k]
+            g = 0 if self.lp0_an is None else int(torch.unique(self.an_group[a]).numel())
+            coll = (coll * g + soft_anchor(dlp, torch.full_like(dlp, pb.im_end_tol)).mean()) / (g + 1)
         flip = self.ties.cost(w, dW) if self.ties is not None and self.ties.n else mix.new_zeros(())
         loss = (pref + lam * kl_bg / pb.kl_budget + cond / pb.kl_budget + self.lam_flip * flip
                 + cfg.lambda_coll * coll + cfg.lambda_special * special_t
@@ -705,7 +737,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         parts = opt.run(n, loss_of)
         step += n
         history.append({"step": step, **parts[-1]})
-    return dataclasses.replace(_result(judge, history, stopped, step, pb, w), info=pnotes)
+    return dataclasses.replace(_result(judge, history, stopped, step, pb, w), info=pnotes + obj.notes)
 
 
 def _parameterise(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: torch.Tensor):

@@ -403,6 +403,7 @@ def ftpo_problem(plan: SolvePlan, sel: Selection, prob: Problem):
                        kl_budget=kl_budget(plan), anchors=prob.anchors, anchor_group=groups, anchor_tol=tols,
                        near=prob.near, near_banned=prob.near_banned, dev=prob.dev, dev_final=dev_final,
                        dev_phrase=[e.phrase for e in sel.dev], dev_rows=prob.dev_rows, special_tol=th.special_rise_tol, im_end=sel.im_end,
+                       im_end_tol=abs(th.im_end_dlogp),
                        dev_kl_limit=th.chat_kld,
                        shipped=lambda dW: requantize(plan, dW).W_q)
 

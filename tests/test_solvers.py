@@ -485,3 +485,38 @@ def test_ftpo_turn_end_directions_hold_log_p_of_the_turn_end_to_first_order(setu
     moved = ((Jfull @ Y.double()) * (b.hh @ M).double()).sum(1)  # first-order gap change per row
     base = ((Jfull @ U.double()) * (b.hh @ M).double()).sum(1)
     assert float(moved.abs().max()) <= 1e-3 * float(base.abs().max())
+
+
+def test_ftpo_plausible_turn_ends_select_and_cost_against_full_softmax(setup):
+    """The plausible turn ends are the background rows whose f64 full-softmax p(turn-end token) is ≥
+    plausible_end_p and whose target is not that token, the most likely first (capped); with only them as soft
+    anchors the objective's anchor term is mean((Δlog p / tol)²) over the rotated subset, recomputed here from the
+    f64 log-softmax (rel 1e-4: f32 logits); 0 at ΔW = 0."""
+    import dataclasses
+
+    from l47.solvers.ftpo import FtpoConfig, FtpoProblem, _Objective
+
+    w, ev, terms, bg = setup["w"], setup["ev"], setup["terms"], setup["bg"]
+    lp0 = torch.log_softmax((_mix(bg, w) @ w.head.T).double(), -1)  # [B, V]
+    im = int(torch.median(lp0.argmax(-1)))  # a token that is likely at some rows, not at all
+    p_min = float(torch.quantile(lp0[:, im].exp(), 0.6))
+    bg = dataclasses.replace(bg, target=torch.where(torch.arange(bg.P) % 7 == 0, torch.tensor(im), bg.target))
+    ok = (lp0[:, im].exp() >= p_min) & (bg.target != im)
+    want = torch.nonzero(ok)[:, 0]
+    assert 5 < want.numel() < bg.P  # planted: some rows plausible, some real turn ends among them left out
+    cfg = FtpoConfig(plausible_end_p=p_min, anchor_batch=0, gap_margin=0.0, lambda_flip=0.0)
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5,
+                     kl_budget=0.1, im_end=im, im_end_tol=0.02)
+    obj = _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long))
+    assert sorted(obj.pe_rows.tolist()) == want.tolist()
+    assert (lp0[obj.pe_rows, im].diff() <= 1e-6).all()  # the most likely first
+    capped = _Objective(w, pb, dataclasses.replace(cfg, plausible_end_rows=3), torch.zeros(ev.P, dtype=torch.long))
+    assert capped.pe_rows.tolist() == want[torch.argsort(lp0[want, im], descending=True)[:3]].tolist()
+    rows = torch.arange(bg.P)
+    assert obj(torch.zeros(w.n, w.f), rows, 1.0)[1]["coll"] == pytest.approx(0.0, abs=1e-9)
+    dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(6))
+    lp1 = torch.log_softmax((_mix(bg, w, dW=dW) @ w.head.T).double(), -1)
+    ref = float((((lp1[want, im] - lp0[want, im]) / 0.02) ** 2).mean())
+    assert ref > 1e-3 and obj(dW, rows, 1.0)[1]["coll"] == pytest.approx(ref, rel=1e-4)
+    off = _Objective(w, pb, dataclasses.replace(cfg, plausible_end_p=0.0), torch.zeros(ev.P, dtype=torch.long))
+    assert off.pe_rows is None and off(dW, rows, 1.0)[1]["coll"] == 0.0
