@@ -64,7 +64,7 @@ class AuditArgs:
     base: Path
     experiment: Path
     out_dir: Path
-    blind: Path | None = None  # the blind document (dump) for the sign-off
+    blind: tuple[Path, ...] = ()  # the blind set (dumps) for the sign-off: one document or several, each fresh
     dev_report: Path | None = None  # report.json of the dev audit of the same bundle
     ledger: Path | None = None  # default: the base model's ledger (l47.data.ledger.default_ledger_path)
     policy: str = "strata"
@@ -75,6 +75,11 @@ class AuditArgs:
     plots: bool = True
     allow_unverified: bool = False  # dumps without engine logits: n/a for the zero-proxy bar, report "unverified"
     allow_other_model: bool = False  # dumps of another model (refused before by the CLI): listed and stamped
+
+    def __post_init__(self):  # one path (or None) is a blind set of one (or none)
+        b = self.blind
+        object.__setattr__(self, "blind", () if b is None else (Path(b),) if isinstance(b, (str, Path))
+                           else tuple(Path(x) for x in b))
 
 
 @dataclass(frozen=True)
@@ -609,15 +614,15 @@ def _read_dev_report(path: Path) -> dict:
 
 
 def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_sha256: str,
-                     window: int) -> tuple[dict, str]:
-    """Everything that must hold before the blind document is scored. Returns (dev report, blind doc sha).
-    By content (the sha256 of its tokens): in no ledger (any command, any event), no document of the dev report,
-    no input or touched document of the solve record, no document of the experiment, and no `window` content
-    tokens shared with any of the experiment's documents. The model's own generation (assistant turns
-    `generated` by this model, sampler recorded) from a prompt held back from every set; a chat with turns, a
-    <think> block and real turn ends."""
+                     window: int) -> tuple[dict, tuple[str, ...]]:
+    """Everything that must hold before the blind set is scored. Returns (dev report, each blind doc's sha).
+    Per document, by content (the sha256 of its tokens): in no ledger (any command, any event), no document of the
+    dev report, no input or touched document of the solve record, no document of the experiment, no other document
+    of the blind set, and no `window` content tokens shared with any of the experiment's documents. The model's own
+    generation (assistant turns `generated` by this model, sampler recorded) from a prompt held back from every
+    set; a chat with turns, a <think> block and real turn ends."""
     from l47.dumps import read_dump
-    from l47.dumps.select import WindowIndex, chat_structure, content_ids, occurrences, provenance_reasons
+    from l47.dumps.select import WindowIndex, content_ids
 
     if args.dev_report is None:
         raise L47Error("audit", "--dev", "the dev report (report.json) of the same bundle with --blind", "none")
@@ -627,12 +632,56 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_s
         raise L47Error(args.bundle, "sha256", f"{dsha} (the bundle the dev report audited, untouched since)",
                        f"{bsha} (another bundle, or this one changed since: the blind sign-off needs the dev "
                        f"report of this very bundle, --dev-report {args.dev_report})")
-    if not Path(args.blind).is_file():
-        raise L47Error(args.blind, "blind document", "an existing dump file", "missing")
-    d = read_dump(args.blind)
+    for p in args.blind:
+        if not Path(p).is_file():
+            raise L47Error(p, "blind document", "an existing dump file", "missing")
+    refs = _BlindRefs(dev, record, ledgers, WindowIndex(window), special_ids, model_sha256, window)
+    for s, p in exp.documents():
+        if s == "blind":
+            continue
+        try:  # an experiment document the check cannot read could hide a copy: refuse, do not skip
+            o = read_dump(p, validate=False)
+        except L47Error as e:
+            raise L47Error(p, f"experiment document (set {s!r})", "a readable dump: the blind sign-off compares "
+                           "the blind document with every document of the experiment by content",
+                           f"unreadable ({e.field}: {e.found})") from None
+        refs.sha_of.setdefault(o.sha256, (s, p))
+        refs.set_of[str(p)] = s
+        refs.index.add(str(p), content_ids(o.tokens, o.role))
+        refs.tokens.append((s, p, np.asarray(o.tokens)))
+    for p in args.blind:
+        d = read_dump(p)
+        _blind_doc_checks(p, d, refs)
+        refs.blind.append(d.sha256)
+    return dev, tuple(refs.blind)
+
+
+@dataclass
+class _BlindRefs:
+    """What each blind document is checked against: the dev report, the solve record, the ledgers, the
+    experiment's documents (by sha256, by content window, their tokens) and the blind set's earlier documents."""
+
+    dev: dict
+    record: object
+    ledgers: list
+    index: object  # l47.dumps.select.WindowIndex over the experiment's documents
+    special_ids: dict
+    model_sha256: str
+    window: int
+    sha_of: dict = field(default_factory=dict)  # experiment doc sha256 -> (set, path)
+    set_of: dict = field(default_factory=dict)  # experiment doc path -> set
+    tokens: list = field(default_factory=list)  # (set, path, token ids) per experiment document
+    blind: list = field(default_factory=list)  # the blind set's documents checked so far (sha256)
+
+
+def _blind_doc_checks(p, d, refs: _BlindRefs) -> None:
+    """One blind document's checks (_blind_prechecks)."""
+    from l47.dumps.select import chat_structure, content_ids, occurrences, provenance_reasons
+
+    dev, record, window = refs.dev, refs.record, refs.window
     doc = d.sha256  # the document's identity: its tokens
     seen = []
-    for lp in ledgers:
+    for lp in refs.ledgers:
         for e in lp.scored(doc):
             seen.append(f"ledger {lp.path}: {e.event} by `{e.command}` against {e.bundle_sha256[:12]}…")
     for x in dev.get("inputs", {}).get("documents", []):
@@ -642,41 +691,33 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_s
         used = {i.sha256 for i in record.inputs if i.set != "blind"} | {t.doc_sha256 for t in record.touched}
         if doc in used:
             seen.append("solve record: an input of the solver")
-    others = [(s, p) for s, p in exp.documents() if s != "blind"]
-    index = WindowIndex(window)
-    sets_of = {}
-    for s, p in others:  # an experiment document the check cannot read could hide a copy: refuse, do not skip
-        try:
-            o = read_dump(p, validate=False)
-        except L47Error as e:
-            raise L47Error(p, f"experiment document (set {s!r})", "a readable dump: the blind sign-off compares "
-                           "the blind document with every document of the experiment by content",
-                           f"unreadable ({e.field}: {e.found})") from None
-        if o.sha256 == doc:
-            seen.append(f"experiment: the same tokens as {p} (set {s!r})")
-        sets_of[str(p)] = s
-        index.add(str(p), content_ids(o.tokens, o.role))
-    hit = index.first_hit(content_ids(d.tokens, d.role)) if window > 0 else None
+    if doc in refs.sha_of:
+        s, q = refs.sha_of[doc]
+        seen.append(f"experiment: the same tokens as {q} (set {s!r})")
+    if doc in refs.blind:
+        seen.append("the blind set: the same tokens as another of its documents")
+    hit = refs.index.first_hit(content_ids(d.tokens, d.role)) if window > 0 else None
     if hit is not None:
         seen.append(f"experiment: shares {window} consecutive content tokens with {hit.key} (set "
-                    f"{sets_of[hit.key]!r}): a near-copy")
+                    f"{refs.set_of[hit.key]!r}): a near-copy")
     if seen:
-        raise L47Error(args.blind, "blind document", "a document never scored before (blind: scored once, by "
+        raise L47Error(p, "blind document", "a document never scored before (blind: scored once, by "
                        "content)", "; ".join(seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else ""))
-    cs = chat_structure(d.tokens, d.role, special_ids)
+    cs = chat_structure(d.tokens, d.role, refs.special_ids)
     lacks = [n for n, v in (("turns", cs.n_turns), ("a <think> block", cs.n_think),
                             ("terminal positions", cs.n_terminal)) if not v]
     if lacks:
-        raise L47Error(args.blind, "blind document", "a chat with turns, a <think> block and real turn ends",
+        raise L47Error(p, "blind document", "a chat with turns, a <think> block and real turn ends",
                        "no " + ", no ".join(lacks))
     prov = dict(d.meta.provenance or {})
     gen_bad = [r for r in ("assistant", "think") if r in prov and prov[r] != "generated"]
     if "assistant" not in prov or gen_bad:
-        raise L47Error(args.blind, "provenance", "assistant (and think) turns generated by this model from a "
+        raise L47Error(p, "provenance", "assistant (and think) turns generated by this model from a "
                        "held-back prompt", f"{ {r: prov.get(r) for r in ('assistant', 'think')} }")
-    why = provenance_reasons(prov, [r for r, v in prov.items() if v == "generated"], model_sha256, d.meta.model)
+    why = provenance_reasons(prov, [r for r, v in prov.items() if v == "generated"], refs.model_sha256,
+                             d.meta.model)
     if why:
-        raise L47Error(args.blind, "provenance", "the model's own generation (this model, sampler recorded)",
+        raise L47Error(p, "provenance", "the model's own generation (this model, sampler recorded)",
                        "; ".join(why))
     # the prompt is held back: no user turn of the blind chat (≥ 8 tokens) occurs in any experiment document
     user = np.asarray(d.role) == names.ROLE_ID["user"]
@@ -684,13 +725,11 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_s
     edges = np.flatnonzero(m[1:] != m[:-1])
     spans = [tuple(int(i) for i in np.asarray(d.tokens)[1:][a:b]) for a, b in zip(edges[0::2], edges[1::2])
              if b - a >= 8]
-    for s, p in others:
-        o = read_dump(p, validate=False)
+    for s, q, toks in refs.tokens:
         for sp in spans:
-            if occurrences(np.asarray(o.tokens), sp).size:
-                raise L47Error(args.blind, "prompt", "a prompt held back from every set",
-                               f"its user turn occurs in {p} (set {s!r})")
-    return dev, doc
+            if occurrences(toks, sp).size:
+                raise L47Error(p, "prompt", "a prompt held back from every set",
+                               f"its user turn occurs in {q} (set {s!r})")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -727,22 +766,27 @@ def kld_figures(docs: list[DocResult], pts) -> dict:
     return out
 
 
-def _write_blind_stub(out: Path, args, bsha: str, blind_sha: str, ledgers) -> None:
-    """report.json / report.md saying the blind sign-off started and the document is burned; the finished
-    report replaces both. A run killed in between leaves this stub: the document may not be used again."""
+def _write_blind_stub(out: Path, args, bsha: str, blind_shas: tuple[str, ...], ledgers) -> None:
+    """report.json / report.md saying the blind sign-off started and its documents are burned; the finished
+    report replaces both. A run killed in between leaves this stub: the documents may not be used again."""
     from l47.fileio import write_text_atomic
 
     when = __import__("time").strftime("%Y-%m-%d %H:%M:%S %Z")
-    note = (f"blind sign-off STARTED {when} and did not finish: the blind document {blind_sha} is in the ledger "
-            f"({', '.join(str(p) for p in ledgers)}) and may never be scored again; no verdict exists. Sign off "
-            "on a fresh document.")
+    note = (f"blind sign-off STARTED {when} and did not finish: the blind document(s) {', '.join(blind_shas)} are in "
+            f"the ledger ({', '.join(str(p) for p in ledgers)}) and may never be scored again; no verdict exists. "
+            "Sign off on fresh documents.")
     stub = {"schema": AUDIT_SCHEMA, "mode": B.MODE_BLIND, "status": "started", "passed": False, "exit_code": 1,
             "stamps": ["blind document burned, no verdict"],
             "inputs": {"bundle": {"path": str(args.bundle), "sha256": bsha},
-                       "blind": {"path": str(args.blind), "sha256": blind_sha},
+                       "blind": _blind_inputs(args.blind, blind_shas),
                        "ledger": [str(p) for p in ledgers]}, "notes": [note]}
     write_text_atomic(out / "report.json", json.dumps(stub, indent=1))
     write_text_atomic(out / "report.md", f"# l47 audit (blind): NOT FINISHED\n\n{note}\n")
+
+
+def _blind_inputs(paths, shas) -> list[dict]:
+    """report.json inputs.blind: one {path, sha256} per document of the blind set."""
+    return [{"path": str(p), "sha256": s} for p, s in zip(paths, shas)]
 
 
 def count_figures(sets_rep) -> dict:
@@ -832,19 +876,20 @@ def blind_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, di
     from l47.data.sets import EventRecord
     from l47.dumps.select import find_events
 
-    d0, th, dev_rep = ctx.docs[0], ctx.th, ctx.dev_rep
+    th, dev_rep = ctx.th, ctx.dev_rep
     evs = []
-    for e in find_events(d0.tokens, ctx.pts, d0.role):
-        p = math.exp(d0.ps.base.logp_target[e.pos])
-        if p >= th.non_event_p:
-            evs.append(EventRecord("blind", d0.path, d0.sha256, e.pos, e.phrase, tuple(e.tuple), e.final, p,
-                                   names.ROLES[e.role], e.in_context_copy))
+    for d0 in ctx.docs:  # the blind set: its figures pooled over its documents
+        for e in find_events(d0.tokens, ctx.pts, d0.role):
+            p = math.exp(d0.ps.base.logp_target[e.pos])
+            if p >= th.non_event_p:
+                evs.append(EventRecord("blind", d0.path, d0.sha256, e.pos, e.phrase, tuple(e.tuple), e.final, p,
+                                       names.ROLES[e.role], e.in_context_copy))
     slop = slop_figures(evs, ctx.by_sha, ctx.vocab, ctx.special_ids, sh.sims)
-    ordinary = ordinary_figures([d0], ctx.special_ids)
+    ordinary = ordinary_figures(ctx.docs, ctx.special_ids)
     dev_ho = dev_rep["slop"]["heldout"]
     dev_after = dev_ho.get("p_after")
     blind = {"bundle_sha256": ctx.bsha, "dev_bundle_sha256": dev_rep["inputs"]["bundle"]["sha256"],
-             "doc_sha256": ctx.blind_sha, "never_scored": True, "ledgers": [str(lp.path) for lp in ctx.ledgers],
+             "doc_sha256": list(ctx.blind_shas), "n_docs": len(ctx.blind_shas), "never_scored": True, "ledgers": [str(lp.path) for lp in ctx.ledgers],
              "slop": slop, "flips": sh.flips, "turn_ends": sh.turn_ends,
              "special_mass": special_mass_figures(evs, ctx.by_sha), "ordinary": ordinary,
              "dev_residual_ratio": dev_ho["residual_ratio"],
@@ -881,7 +926,7 @@ class AuditContext:
     notes: list[str] = field(default_factory=list)
     other_model: list[dict] = field(default_factory=list)  # {path, model} of dumps of another model (allowed)
     dev_rep: dict | None = None  # blind: the dev audit's report
-    blind_sha: str | None = None
+    blind_shas: tuple[str, ...] = ()  # the blind set's documents (sha256 of their tokens)
     sets_rep: object = None  # dev: the SetsReport (blind documents excluded)
     docs: list[DocResult] = field(default_factory=list)
     doc_paths: dict[str, str] = field(default_factory=dict)
@@ -919,7 +964,7 @@ def _ledgers(args: AuditArgs, base_sha256: str) -> list:
 
     ledger = Ledger.open(args.ledger, base_sha256)
     ledgers = [ledger]
-    if args.blind is None:
+    if not args.blind:
         return ledgers
     extra = [default_ledger_path(base_sha256)]
     if args.dev_report is not None and Path(args.dev_report).is_file():
@@ -956,7 +1001,7 @@ def load_context(args: AuditArgs) -> AuditContext:
     W_new, bsha = edited_weight(w, args.bundle, args.device)
     vocab = load_vocab(exp, base_g, w.V)
     pts, _ = phrases_to_tuples(exp.phrases, vocab)
-    ctx = AuditContext(args=args, mode=B.MODE_BLIND if args.blind is not None else B.MODE_DEV, exp=exp,
+    ctx = AuditContext(args=args, mode=B.MODE_BLIND if args.blind else B.MODE_DEV, exp=exp,
                        ledgers=ledgers, w=w, W_new=W_new, bsha=bsha, record=record, record_path=rpath,
                        bundle=bundle_figures(base_g, bundle_g, w, W_new, record), vocab=vocab, pts=pts,
                        spec=make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name))
@@ -965,10 +1010,10 @@ def load_context(args: AuditArgs) -> AuditContext:
     from l47.data.identity import other_model_notes
 
     docs = [p for s, p in exp.documents() if ctx.mode == B.MODE_DEV and s != "blind"]
-    other_model_notes(docs + ([args.blind] if args.blind is not None else []), w.model_sha256, args.base,
+    other_model_notes(docs + list(args.blind), w.model_sha256, args.base,
                       args.allow_other_model)  # dumps of another model refused here unless allowed
     if ctx.mode == B.MODE_BLIND:
-        ctx.dev_rep, ctx.blind_sha = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids,
+        ctx.dev_rep, ctx.blind_shas = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids,
                                                       w.model_sha256, exp.thresholds.overlap_window)
     return ctx
 
@@ -1012,20 +1057,21 @@ def score_documents(ctx: AuditContext, progress=None) -> None:
     # document is burned from here on, and a report stub says so until the verdict replaces it
     exp_nb = replace(ctx.exp, sets={k: v for k, v in ctx.exp.sets.items() if k != "blind"})
     if ctx.mode == B.MODE_BLIND:
-        _write_blind_stub(Path(ctx.args.out_dir), ctx.args, ctx.bsha, ctx.blind_sha, [lp.path for lp in ctx.ledgers])
+        _write_blind_stub(Path(ctx.args.out_dir), ctx.args, ctx.bsha, ctx.blind_shas, [lp.path for lp in ctx.ledgers])
         for lp in ctx.ledgers:
-            lp.append([ctx.blind_sha], ctx.bsha, "audit", EV_BLIND_STARTED, note=str(ctx.args.out_dir))
+            lp.append(ctx.blind_shas, ctx.bsha, "audit", EV_BLIND_STARTED, note=str(ctx.args.out_dir))
     else:
         ctx.ledgers[0].append(_content_hashes(p for _, p in exp_nb.documents()).values(), ctx.bsha, "audit")
     if ctx.mode == B.MODE_BLIND:
-        tick = SetTicker(progress, [("blind", ctx.args.blind)])
-        d = read_dump(ctx.args.blind)
-        check_dump_dims(ctx.w, d.meta, str(ctx.args.blind))
-        if d.meta.model != ctx.w.model_sha256 and not str(d.meta.model).startswith("hf:"):
-            ctx.other_model.append({"path": str(ctx.args.blind), "model": str(d.meta.model)})
-        ctx.docs.append(score_document(sc, d, "blind"))
-        ctx.doc_paths[d.sha256] = str(ctx.args.blind)
-        tick(ctx.args.blind)
+        tick = SetTicker(progress, [("blind", p) for p in ctx.args.blind])
+        for p in ctx.args.blind:
+            d = read_dump(p)
+            check_dump_dims(ctx.w, d.meta, str(p))
+            if d.meta.model != ctx.w.model_sha256 and not str(d.meta.model).startswith("hf:"):
+                ctx.other_model.append({"path": str(p), "model": str(d.meta.model)})
+            ctx.docs.append(score_document(sc, d, "blind"))
+            ctx.doc_paths[d.sha256] = str(p)
+            tick(p)
         return
     tick = SetTicker(progress, exp_nb.documents())
     passes: dict[str, tuple] = {}  # path -> (dump, PairedStats of max(sets' k, sc.topk) top-k columns)
@@ -1080,7 +1126,7 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
         "experiment": {"path": str(args.experiment), "sha256": _file_sha(args.experiment)},
         "record": {"path": str(ctx.record_path), "sha256": _file_sha(ctx.record_path)} if ctx.record else None,
         "dev_report": {"path": str(args.dev_report), "sha256": _file_sha(args.dev_report)} if ctx.dev_rep else None,
-        "blind": {"path": str(args.blind), "sha256": ctx.blind_sha} if blind else None,
+        "blind": _blind_inputs(args.blind, ctx.blind_shas) if blind else None,
         "engine_dumps": [{"path": str(p), "sha256": _file_sha(p)} for p in args.engine_dumps],
         "documents": [{"path": d.path, "sha256": d.sha256, "set": d.set, "doc_id": d.doc_id, "T": d.T,
                        "verified": d.verified, "refused": d.refused, "reasons": list(d.reasons)} for d in ctx.docs],
@@ -1098,7 +1144,7 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
     files = write_reports(out, report, ctx.docs, ctx.vocab, ctx.special_ids, sh.sims, plots=args.plots)
     if blind:  # the verdict beside the "started" entry
         for lp in ctx.ledgers:
-            lp.append([ctx.blind_sha], ctx.bsha, "audit", EV_BLIND_VERDICT,
+            lp.append(ctx.blind_shas, ctx.bsha, "audit", EV_BLIND_VERDICT,
                       note=f"{'PASS' if passed else 'FAIL'} {files.get('report.json', out / 'report.json')}")
     return AuditReport(passed, 0 if passed else 1, ctx.mode, tuple(bar_list), str(out), files, ctx.bsha, report)
 

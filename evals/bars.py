@@ -524,12 +524,13 @@ def _g_kld(ev: Evidence) -> Measure:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# blind sign-off (seed §6.2–6.3): one fresh document, scored once, against the untouched bundle
+# blind sign-off (seed §6.2–6.3): a fresh blind set (one document or several, figures pooled over them), scored
+# once, against the untouched bundle
 
 
 @register("blind.bundle_untouched", family="blind", direction=GE, threshold=None, mode=MODE_BLIND,
           aggregation="sha256", definition="the bundle's sha256 equals the dev report's (untouched since); a "
-          "mismatch is refused before the blind document is scored")
+          "mismatch is refused before the blind set is scored")
 def _blind_sha(ev: Evidence) -> Measure:
     b = ev.blind
     return Measure(1.0 if b.get("bundle_sha256") and b.get("bundle_sha256") == b.get("dev_bundle_sha256") else 0.0,
@@ -537,7 +538,7 @@ def _blind_sha(ev: Evidence) -> Measure:
 
 
 @register("blind.never_scored", family="blind", direction=GE, threshold=None, mode=MODE_BLIND,
-          aggregation="ledger lookup", definition="the blind document's sha256 is in no ledger and in no input of the "
+          aggregation="ledger lookup", definition="each blind document's sha256 is in no ledger and in no input of the "
           "dev report or the solve record (refused before scoring otherwise); it is scored once, now")
 def _blind_once(ev: Evidence) -> Measure:
     b = ev.blind
@@ -550,11 +551,11 @@ def _blind_part(key: str, fn: Callable[[dict], Measure]) -> Callable[[Evidence],
 
 
 register("blind.f.flips", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
-         aggregation="count", definition="(f) flips to a special token on the blind document")(
+         aggregation="count", definition="(f) flips to a special token on the blind set")(
     _blind_part("flips", lambda f: Measure(float(f["damage"]) if f.get("docs") else None,
                                            {"by_kind": f.get("by_kind")}, threshold=0.0)))
 register("blind.f.special_mass", family="blind", direction=LE, threshold="special_rise_tol", mode=MODE_BLIND,
-         aggregation="mean after − mean before at the blind document's slop events",
+         aggregation="mean after − mean before at the blind set's slop events",
          definition="(f) no rise of special-token mass at slop positions")(
     _blind_part("special_mass", lambda s: Measure(s.get("max_rise"), {"per_split": s.get("per_split")})))
 register("blind.f.turn_end_argmax", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
@@ -565,18 +566,18 @@ register("blind.f.turn_end_dlogp", family="blind", direction=GE, threshold="im_e
          aggregation="mean", definition="(f) mean Δlog p(<|im_end|>) at real turn ends")(
     _blind_part("turn_ends", lambda t: Measure(t.get("mean_dlogp"), {"n": t.get("n")})))
 register("blind.g.ordinary_dlogp", family="blind", direction=GE, threshold="chat_ordinary_dlogp", mode=MODE_BLIND,
-         aggregation="mean over ordinary tokens", definition="(g) ordinary-token mean Δlog p on the blind document")(
+         aggregation="mean over ordinary tokens", definition="(g) ordinary-token mean Δlog p on the blind set")(
     _blind_part("ordinary", lambda o: Measure(o.get("mean_dlogp"), {"n": o.get("n_ordinary")})))
 register("blind.g.kld", family="blind", direction=LE, threshold="chat_kld", mode=MODE_BLIND,
-         aggregation=G_ROWS, definition="(g) KLD on the blind document away from slop")(
+         aggregation=G_ROWS, definition="(g) KLD on the blind set away from slop")(
     _blind_part("ordinary", lambda o: Measure(o.get("kld"), {"n": o.get("n_non_slop"),
                                                               "prefix_rows": o.get("prefix_rows")})))
 
 
 @register("blind.slop_residual", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
-          aggregation="mean p_after / mean p_before over the blind document's slop events",
+          aggregation="mean p_after / mean p_before over the blind set's slop events",
           threshold_from="thresholds.blind_residual_factor × the dev report's held-out residual ratio",
-          definition="slop residual ratio (mean p after / mean p before) on the blind document vs the dev report's "
+          definition="slop residual ratio (mean p after / mean p before) on the blind set vs the dev report's "
                      "held-out residual ratio")
 def _blind_resid(ev: Evidence) -> Measure:
     b = ev.blind
@@ -590,14 +591,14 @@ def _blind_resid(ev: Evidence) -> Measure:
 
 
 @register("blind.slop_residual_abs", family="blind", direction=LE, threshold="blind_residual_abs", mode=MODE_BLIND,
-          aggregation="max over the phrases present in the blind document of mean p_after / mean p_before at "
+          aggregation="max over the phrases present in the blind set of mean p_after / mean p_before at "
                       "the phrase's events (the worst phrase is named)",
-          definition="slop residual ratio of EACH phrase present on the blind document, an absolute bar (the "
+          definition="slop residual ratio of EACH phrase present on the blind set, an absolute bar (the "
                      "seed's blind level): a bundle that removes almost nothing fails it whatever the dev report says")
 def _blind_resid_abs(ev: Evidence) -> Measure:
     per = {k: v.get("residual_ratio") for k, v in ev.blind.get("slop", {}).get("per_phrase", {}).items()}
     if not per:
-        return Measure(None, {"why": "no slop event in the blind document: nothing to sign off on"})
+        return Measure(None, {"why": "no slop event in the blind set: nothing to sign off on"})
     if any(v is None for v in per.values()):
         return Measure(None, {"per_phrase": per, "why": "a phrase with base p 0 at its events"})
     worst = max(per, key=per.get)

@@ -75,7 +75,8 @@ def _md_head(r: dict) -> list[str]:
           f"toolkit {r['toolkit_version']}, schema `{r['schema']}`, exit code {r['exit_code']}", ""]
     inp = r["inputs"]
     rows = [[k, (inp[k] or {}).get("path", "—"), (inp[k] or {}).get("sha256", "—")]
-            for k in ("bundle", "base", "experiment", "record", "dev_report", "blind") if inp.get(k)]
+            for k in ("bundle", "base", "experiment", "record", "dev_report") if inp.get(k)]
+    rows += [["blind", b["path"], b["sha256"]] for b in inp.get("blind") or ()]  # the blind set, one row each
     L += ["## Inputs", ""] + _table(["input", "path", "sha256"], rows)
     L += [f"policy `{inp['policy']}`, device `{inp['device']}`, vocabulary `{_md(inp['vocab'])}`, ledger "
           f"`{inp['ledger']}`", ""]
@@ -187,7 +188,7 @@ def _md_split(r: dict) -> list[str]:
 
     slop = (r.get("slop") or {}).get("heldout") or (r.get("blind") or {}).get("slop")
     if slop:
-        L += _slop_md(slop, "Slop at held-out events" if r["mode"] == "dev" else "Slop on the blind document")
+        L += _slop_md(slop, "Slop at held-out events" if r["mode"] == "dev" else "Slop on the blind set")
     ps = (r.get("slop") or {}).get("per_set")
     if ps:
         L += ["### p(rejected) per set (events)", ""]
@@ -263,7 +264,7 @@ def _md_chat(r: dict) -> list[str]:
                     [[s, v["n"], v["before"], v["after"], v["rise"]] for s, v in sm["per_split"].items()])
     o = chat.get("ordinary") or bl.get("ordinary")
     if o:
-        L += ["## Held-out chat (g)" if r["mode"] == "dev" else "## Blind document (g)", "",
+        L += ["## Held-out chat (g)" if r["mode"] == "dev" else "## Blind set (g)", "",
               f"{o['docs']} document(s); ordinary tokens n = {o['n_ordinary']}: mean Δlog p {_f(o['mean_dlogp'])} "
               f"(median {_f(o['median_dlogp'])}, {_f(o['frac_below'])} below −0.1); non-slop positions "
               f"n = {o['n_non_slop']}: KLD {_f(o['kld'])}", ""]

@@ -635,6 +635,68 @@ def test_blind_signoff_once_then_refused(world, tmp_path):
     assert not (tmp_path / "blind2" / "report.json").exists()
 
 
+def _blind_half(world, tmp_path) -> Path:
+    """A second blind document: blind_a up to and including its first real turn end after the think block (its
+    own tokens, so its own sha256; the same generated provenance)."""
+    from safetensors.numpy import load_file
+
+    from l47.model import names
+
+    tok = load_file(str(world["paths"]["blind_a"]))["tokens"]
+    sp = world["vocab"].special_ids
+    ends = np.flatnonzero(tok[1:] == sp[names.IM_END])  # rows whose target is the turn end
+    think = np.flatnonzero(tok == sp[names.END_THINK])
+    row = int(ends[ends > think[0]][0])
+    return _resave(world, "blind_a", tmp_path / "blind_half.safetensors", rows=slice(0, row + 1))
+
+
+def test_blind_set_pools_its_documents(world, tmp_path):
+    """A blind set of two fresh documents: both checked and burned, the figures pooled over both — the turn-end
+    mean is the mean over both documents' turn-end rows of positions.tsv, the events are both documents' —
+    and either document is refused afterwards."""
+    import csv
+
+    good = world["bundles"]["good"]
+    dev = _audit(world, good, tmp_path / "dev")
+    a, b = world["paths"]["blind_a"], _blind_half(world, tmp_path)
+    assert _token_sha(a) != _token_sha(b)
+    res = _audit(world, good, tmp_path / "bset", blind=(a, b), dev_report=tmp_path / "dev" / "report.json")
+    bl = res.report["blind"]
+    assert bl["n_docs"] == 2 and bl["doc_sha256"] == [_token_sha(a), _token_sha(b)]
+    assert [x["sha256"] for x in res.report["inputs"]["blind"]] == [_token_sha(a), _token_sha(b)]
+    csv.field_size_limit(1 << 30)
+    with open(tmp_path / "bset" / "positions.tsv", newline="") as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+    te = [r for r in rows if r["kind"] == "terminal"]
+    assert {r["doc_sha256"] for r in te} == {_token_sha(a), _token_sha(b)}
+    assert bl["turn_ends"]["n"] == len(te)
+    assert _bars(res)["blind.f.turn_end_dlogp"].value == pytest.approx(np.mean([float(r["dlogp"]) for r in te]),
+                                                                       abs=1e-6)
+    assert dev.passed
+    ev_docs = {e["doc_sha256"] for e in bl["slop"]["events"]}
+    assert ev_docs == {_token_sha(a), _token_sha(b)}
+    for d in (a, b):
+        assert [e.event for e in _ledger(world).scored(_token_sha(d))] == ["blind-started", "blind-verdict"]
+        with pytest.raises(L47Error, match="never scored before"):
+            _audit(world, good, tmp_path / f"again_{Path(d).stem}", blind=d, dev_report=tmp_path / "dev" / "report.json")
+
+
+def test_blind_set_holding_a_copy_is_refused(world, tmp_path):
+    """A blind set whose second document is a re-saved copy of the first (same tokens) or of a training document:
+    refused before anything is scored, naming that file; no report, nothing appended."""
+    good = world["bundles"]["good"]
+    _audit(world, good, tmp_path / "dev")
+    a = world["paths"]["blind_a"]
+    twin = _resave(world, "blind_a", tmp_path / "twin.safetensors")
+    with pytest.raises(L47Error, match="twin.safetensors.*another of its documents"):
+        _audit(world, good, tmp_path / "b1", blind=(a, twin), dev_report=tmp_path / "dev" / "report.json")
+    train = _resave(world, "train_a", tmp_path / "train_copy.safetensors")
+    with pytest.raises(L47Error, match="train_copy.safetensors"):
+        _audit(world, good, tmp_path / "b2", blind=(a, train), dev_report=tmp_path / "dev" / "report.json")
+    assert not (tmp_path / "b1" / "report.json").exists() and not (tmp_path / "b2" / "report.json").exists()
+    assert not _ledger(world).scored(_token_sha(a))
+
+
 def test_blind_reused_through_other_named_ledgers_is_refused(world, tmp_path):
     """Each run names its own --ledger (dev A + blind A, then dev B + blind B): the first sign-off also burned the
     document in the base model's default ledger, so the second is refused before anything is scored."""

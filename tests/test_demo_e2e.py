@@ -36,6 +36,15 @@ def _bars(rep: dict) -> dict:
     return {b["name"]: b for b in rep["bars"]}
 
 
+def _tsv(path: Path) -> list[dict]:
+    """The audit's positions.tsv as rows (csv module, no quoting: the TSV escapes its own tabs)."""
+    import csv
+
+    csv.field_size_limit(1 << 30)
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
 def _engine_ce(path: str) -> float:
     """Base CE over content targets from the hf engine's own log p (transformers' forward, not l47's)."""
     from safetensors.numpy import load_file
@@ -114,17 +123,26 @@ def test_blind_is_a_fresh_generation_scored_once(demo):
     from l47.data.ledger import Ledger
     from l47.dumps import read_dump
     from l47.dumps.select import phrases_to_tuples
-    from l47.app.demo import MODEL, PHRASES
+    from l47.app.demo import BLIND_CHATS, MODEL, PHRASES
     from l47.model.vocab import vocab_for_model
 
     out, _ = demo
     s = json.loads((out / "demo_summary.json").read_text())
     blind = _rep(out / "audit-blind" / "report.json")
-    d = read_dump(s["blind"]["doc"])
-    assert blind["inputs"]["blind"]["sha256"] == d.sha256
-    prov = d.meta.provenance
-    assert prov["assistant"] == "generated" and prov["generation"]["model"] == d.meta.model
-    assert _engine_ce(s["blind"]["doc"]) < 0.5 * LN_V  # natural for the model
+    chats = s["blind"]["chats"]
+    docs = [read_dump(c["doc"]) for c in chats]
+    assert len(docs) == BLIND_CHATS == len({d.sha256 for d in docs})  # the blind set: distinct fresh chats
+    assert [b["sha256"] for b in blind["inputs"]["blind"]] == [d.sha256 for d in docs]
+    assert blind["blind"]["n_docs"] == BLIND_CHATS and blind["blind"]["doc_sha256"] == [d.sha256 for d in docs]
+    for c, d in zip(chats, docs):
+        prov = d.meta.provenance
+        assert prov["assistant"] == "generated" and prov["generation"]["model"] == d.meta.model
+        assert _engine_ce(c["doc"]) < 0.5 * LN_V  # natural for the model
+    # pooled over the set: the turn-end figure is the mean over every chat's turn ends (from positions.tsv)
+    te = _bars(blind)["blind.f.turn_end_dlogp"]
+    rows = [r for r in _tsv(out / "audit-blind" / "positions.tsv") if r["kind"] == "terminal"]
+    assert len(rows) >= 3 * BLIND_CHATS and len({r["doc_sha256"] for r in rows}) == BLIND_CHATS
+    assert te["value"] == pytest.approx(np.mean([float(r["dlogp"]) for r in rows]), abs=1e-6)
     # per phrase present: the absolute residual bar is the worst phrase's ratio from the blind event rows
     rows = blind["blind"]["slop"]["events"]
     per = {}
@@ -134,13 +152,13 @@ def test_blind_is_a_fresh_generation_scored_once(demo):
     b = _bars(blind)["blind.slop_residual_abs"]
     assert rows and b["value"] == pytest.approx(max(ratio.values()), abs=1e-9) and b["threshold"] == 0.5
     # the ledger (the base model's, never deleted): started before the scoring, then the verdict
-    led = Ledger.open(s["ledger"], d.meta.model)
-    ev = [e.event for e in led.scored(d.sha256)]
-    assert ev == ["blind-started", "blind-verdict"]
+    led = Ledger.open(s["ledger"], docs[0].meta.model)
+    for d in docs:
+        assert [e.event for e in led.scored(d.sha256)] == ["blind-started", "blind-verdict"]
     # the next run would sign off on another fresh chat (next seed), never this one
     pts, _ = phrases_to_tuples(PHRASES, vocab_for_model(MODEL))
     nxt, how = fresh_blind_chat(MODEL, out, led, pts, 1000, None)
-    assert how["seed"] > s["blind"]["seed"] and read_dump(nxt).sha256 != d.sha256
+    assert how["seed"] > max(c["seed"] for c in chats) and read_dump(nxt).sha256 not in {d.sha256 for d in docs}
     assert not led.scored(read_dump(nxt).sha256)
 
 
@@ -161,7 +179,7 @@ def test_blind_scored_by_l47_score_is_refused_on_the_demo(demo, tmp_path):
     out, _ = demo
     s = json.loads((out / "demo_summary.json").read_text())
     ledger = Path(s["ledger"])
-    led = Ledger.open(ledger, read_dump(s["blind"]["doc"]).meta.model)
+    led = Ledger.open(ledger, read_dump(s["blind"]["chats"][0]["doc"]).meta.model)
     pts, _ = phrases_to_tuples(PHRASES, vocab_for_model(MODEL))
     fresh, _ = fresh_blind_chat(MODEL, tmp_path / "fresh", led, pts, 2000, None)
     sha = read_dump(fresh).sha256

@@ -464,7 +464,8 @@ def audit(
     base: Path = typer.Option(..., "--base", help="the base GGUF"),
     experiment: Path = typer.Option(..., "--experiment", help="experiment TOML"),
     out: Path = typer.Option(Path("audit"), "--out", help="report directory"),
-    blind: Optional[Path] = typer.Option(None, "--blind", help="blind document (dump) for the sign-off"),
+    blind: list[Path] = typer.Option([], "--blind", metavar="DUMP", help="blind document (dump) for the sign-off; repeat it for a "
+                                     "blind set of several fresh documents (figures pooled over them)"),
     dev_report: Optional[Path] = typer.Option(None, "--dev", "--dev-report", help="the dev audit's report.json"),
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
@@ -491,7 +492,7 @@ def audit(
     from l47.evals.audit import AuditArgs
     from l47.fileio import write_text_atomic
 
-    args = AuditArgs(bundle, base, experiment, out, blind, dev_report, ledger, policy, device, record,
+    args = AuditArgs(bundle, base, experiment, out, tuple(blind), dev_report, ledger, policy, device, record,
                      tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
                      allow_other_model=allow_other_model)
     check_audit(args, force, json_out)

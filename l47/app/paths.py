@@ -400,18 +400,19 @@ def check_audit(args, force=False, json_out=None) -> list[str]:
     from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
 
     exp = _exp(args.experiment)
-    ins = experiment_inputs(exp) + [(args.bundle, "bundle"), (args.base, "base model"), (args.blind, "blind dump"),
+    ins = experiment_inputs(exp) + [(args.bundle, "bundle"), (args.base, "base model"),
                                     (args.dev_report, "dev report"), (args.record, "solve record")]
+    ins += [(d, "blind dump") for d in args.blind]
     ins += [(d, "engine dump") for d in args.engine_dumps]
     out = Path(args.out_dir)
-    docs = [args.blind] if args.blind is not None else [p for s, p in exp.documents() if s != "blind"]
+    docs = list(args.blind) if args.blind else [p for s, p in exp.documents() if s != "blind"]
     T, longest = _positions(docs)
     need = T * (TSV_ROW_AUDIT + longest + REPORT_PER_POSITION) + REPORT_BASE
     check_outputs([Output(out, AUDIT_DIR, "--out", files=(REPORT_JSON, REPORT_MD, POSITIONS_TSV), nbytes=need,
                           nbytes_what=f"the report of {T} positions, estimated"),
                    Output(_file_out(json_out), AUDIT_JSON, "--json"),
                    Output(args.ledger, LEDGER, "--ledger")], ins, force=force)
-    return _models(exp, args.base, args.allow_other_model, extra=(args.blind,))  # engine dumps: the bundle's
+    return _models(exp, args.base, args.allow_other_model, extra=args.blind)  # engine dumps: the bundle's
 
 
 def check_penalty(args, force=False, allow_other_model=False) -> list[str]:
