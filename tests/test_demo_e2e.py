@@ -247,3 +247,27 @@ def test_demo_solve_step_is_labelled_with_the_method_it_runs(tmp_path, monkeypat
     run = D._DemoRun(None, Console(file=buf, width=80), tmp_path, tmp_path / "m.gguf", type("L", (), {"path": None}))
     D._solve(run, exp, tmp_path / "sets.json")
     assert label in buf.getvalue() and seen == [None]  # the experiment file decides the method, not the demo
+
+
+def test_blind_chat_skips_every_seed_already_in_the_ledger(tmp_path):
+    """More consecutive seeds than BLIND_TRIES already burned (as a blind set's skipped seeds leave them for the
+    next run): they are skipped without counting as misses, and the chat returned is the first fresh one."""
+    from l47.app.demo import BLIND_TRIES, MODEL, PHRASES, fresh_blind_chat
+    from l47.data.ledger import Ledger
+    from l47.dumps import read_dump
+    from l47.dumps.select import phrases_to_tuples
+    from l47.model.gguf_io import open_gguf
+    from l47.model.vocab import vocab_for_model
+
+    pts, _ = phrases_to_tuples(PHRASES, vocab_for_model(MODEL))
+    led = Ledger.open(tmp_path / "ledger.jsonl", open_gguf(MODEL).sha256())
+    k, used = 0, []
+    while len(used) < BLIND_TRIES + 1:  # burn the first BLIND_TRIES + 1 chats that hold an event
+        p, how = fresh_blind_chat(MODEL, tmp_path / "gen", led, pts, 5000, None, k0=k)
+        used.append((how["k"], read_dump(p).sha256))
+        k = how["k"] + 1
+    led.append([sha for _, sha in used], "b" * 64, "audit", "blind-started")
+    p, how = fresh_blind_chat(MODEL, tmp_path / "gen", led, pts, 5000, None, k0=0)
+    assert how["k"] > used[-1][0] and read_dump(p).sha256 not in {sha for _, sha in used}
+    assert sum("already in the ledger" in x for x in how["skipped"]) == len(used)
+

@@ -117,8 +117,9 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
     """A blind chat nobody has scored: the model's own generation from a held-back prompt, with a seed it has
     not used — the k-th blind document of this base model (k = "blind-started" entries in its ledger, or `k0`)
     uses prompt k mod N and seed `seed` + k. Seeds are skipped (k + 1, ...) while the generation is already in the
-    ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one); only the
-    tokens are looked at, nothing is scored. Returns (dump path, how it was chosen)."""
+    ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; BLIND_TRIES
+    such misses in a row at most); only the tokens are looked at, nothing is scored. Returns (dump path, how it was
+    chosen)."""
     from l47.app.dumping import DumpJob, GenerateOptions, run_dump
     from l47.data.ledger import EV_BLIND_STARTED
     from l47.dumps import read_dump
@@ -128,8 +129,9 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
 
     prompts = [ln for ln in (DATA / BLIND_PROMPTS).read_text().splitlines() if ln.strip()]
     k0 = ledger.count(EV_BLIND_STARTED) if k0 is None else k0
-    skipped = []
-    for k in range(k0, k0 + BLIND_TRIES):
+    skipped, k, misses = [], k0, 0
+    while misses < BLIND_TRIES:  # misses in a row: a seed whose chat is in the ledger (an earlier run used it;
+        # the ledger's count lags the seeds a blind set skipped, so a rerun walks those again) resets the count
         rec = json.loads(prompts[k % len(prompts)])
         rec["id"] = f"{rec['id']}-seed{seed + k}"
         src = write_text_atomic(out / "inputs" / f"blind-{k}.jsonl", json.dumps(rec) + "\n")
@@ -140,12 +142,15 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
         d = read_dump(path)
         if ledger.scored(d.sha256):
             skipped.append(f"{rec['id']}: already in the ledger")
+            misses = 0
         elif not find_events(d.tokens, pts, d.role):
             skipped.append(f"{rec['id']}: no slop event")
+            misses += 1
         else:
             return path, {"prompt": rec["id"], "seed": seed + k, "k": k, "skipped": skipped}
-    raise L47Error(out / "dumps" / "blind", "blind chat", f"a generation with a slop event in {BLIND_TRIES} seeds",
-                   "; ".join(skipped))
+        k += 1
+    raise L47Error(out / "dumps" / "blind", "blind chat", f"a generation with a slop event in {BLIND_TRIES} fresh "
+                   "seeds in a row", "; ".join(skipped))
 
 
 def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = BLIND_CHATS,
