@@ -196,6 +196,7 @@ BAD_TOML = {
     "markup_phrase": (None, ["[red]rather[/red]", "phrases[1].text"]),
     "unknown_solver_key": (None, ["solver", "max_anchor_per_word", "did you mean 'max_anchors_per_word'"]),
     "solver_type": (None, ["solver.wfld", "p_cap"]),
+    "solver_plausible_end_p": (None, ["solver.ftpo.plausible_end_p", "[0.0, 1.0]", "2.0"]),
     "empty_phrase": (None, ["phrases[0].text"]),
     "margin_negative": (None, ["phrases[0].margin_scale", ">= 0"]),
 }
@@ -218,6 +219,7 @@ def _bad_toml(kind: str, dumps) -> str:
                                       'text = "[red]rather[/red]"\n'),
         "unknown_solver_key": dict(solver="[solver]\nmax_anchor_per_word = 4\n"),
         "solver_type": dict(solver='[solver.wfld]\np_cap = "high"\n'),
+        "solver_plausible_end_p": dict(solver="[solver.ftpo]\nplausible_end_p = 2.0\n"),
         "empty_phrase": dict(phrases='[[phrases]]\ntext = "   "\n'),
         "margin_negative": dict(phrases='[[phrases]]\ntext = "rather than"\nmargin_scale = -1.0\n'),
     }[kind]
@@ -329,6 +331,8 @@ CASES = [
      ["e.toml", *BAD_TOML["unknown_solver_key"][1]], {"e.toml": "bad:unknown_solver_key"}),
     ("solve_solver_type", ["solve", "{T}/e.toml", "--out", "{T}/b.gguf"], 2,
      ["e.toml", *BAD_TOML["solver_type"][1]], {"e.toml": "bad:solver_type"}),
+    ("solve_plausible_end_p", ["solve", "{T}/e.toml", "--out", "{T}/b.gguf"], 2,
+     ["e.toml", *BAD_TOML["solver_plausible_end_p"][1]], {"e.toml": "bad:solver_plausible_end_p"}),
     ("solve_salad_zero", ["solve", "{T}/e.toml", "--out", "{T}/b.gguf"], 2,
      ["e.toml", *BAD_TOML["salad_ngram_zero"][1]], {"e.toml": "bad:salad_ngram_zero"}),
     # --- --json outputs go through the same policy (issue 14 item 1: every file a command writes)
