@@ -137,6 +137,8 @@ FTPO_MEANINGS = {
     "background_batch": "background positions per step (rotating; the exact KL uses all)",
     "kl_rows": "background and dev positions at most: every row of their documents up to this cap (a strided sample is what the edit fits)",
     "anchor_batch": "soft anchors per step (rotating; 0: all of them)",
+    "plausible_end_p": "background rows whose base p(<|im_end|>) is at least this (the turn may end there; target another token) hold log p(<|im_end|>) as one more soft-anchor group, tol = bar (f)'s 0.005 nats (0: off; docs/SOLVERS.md \"Plausible turn ends\")",
+    "plausible_end_rows": "... at most this many, the most likely first",
     "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
     "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
     "seed": "training seed",
