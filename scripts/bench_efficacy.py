@@ -150,8 +150,20 @@ def _per_phrase(rows: list[dict] | None) -> dict:
     return out
 
 
-def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, max_new_tokens: int, log,
-              reuse: bool = False, device: str = "cpu") -> dict:
+@dataclass(frozen=True)
+class BenchOptions:
+    """How every model is run: document caps (SMALL or none), sampled-turn length, reuse of an earlier --out's
+    dumps and sets, the torch device, and `solver`: TOML appended to every experiment (a variant such as
+    `[solver.ftpo]` / `seed = 1`; empty = the toolkit's defaults, the benchmark's figures)."""
+
+    caps: dict = field(default_factory=dict)
+    max_new_tokens: int = 96
+    reuse: bool = False
+    device: str = "cpu"
+    solver: str = ""
+
+
+def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchOptions, log) -> dict:
     from l47.app.demo import write_experiment
     from l47.data.sets import build_sets, write_sets_json
     from l47.dumps.select import SPLITS
@@ -165,20 +177,20 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
     res: dict = {"model": str(spec.model), "methods": {}}
     t0 = time.time()
     manifest, sets_json = out / "dumps.json", out / "sets.json"
-    if reuse and manifest.is_file() and sets_json.is_file():  # the dumps and sets of an earlier run of this --out
+    if opts.reuse and manifest.is_file() and sets_json.is_file():  # the dumps and sets of an earlier run of this --out
         dirs = {k: [Path(x) for x in v] for k, v in json.loads(manifest.read_text())["dirs"].items()}
         log(f"{spec.name}: reusing {sum(map(len, dirs.values()))} dumps and {sets_json}")
     else:
-        dirs = dump_all(spec, out, caps, max_new_tokens, log, device)
+        dirs = dump_all(spec, out, opts.caps, opts.max_new_tokens, log, opts.device)
         write_text_atomic(manifest, json.dumps({"dirs": {k: [str(x) for x in v] for k, v in dirs.items()}}))
     res["dump_s"] = round(time.time() - t0, 1)
-    exp = write_experiment(out, spec.model.resolve(), dirs, solver="", phrases=spec.phrases, words=(),
+    exp = write_experiment(out, spec.model.resolve(), dirs, solver=opts.solver, phrases=spec.phrases, words=(),
                            name=f"bench {spec.name}")
     t0 = time.time()
-    if reuse and sets_json.is_file() and manifest.is_file():
+    if opts.reuse and sets_json.is_file() and manifest.is_file():
         report = load_sets_report(sets_json)
     else:
-        report = build_sets(exp, device=device)
+        report = build_sets(exp, device=opts.device)
         write_sets_json(report, sets_json)
     res["sets_s"] = round(time.time() - t0, 1)
     counts = report.counts("events")
@@ -193,7 +205,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         t0 = time.time()
         try:
             solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
-                                         device=device),
+                                         device=opts.device),
                                log=lambda s: log(f"{spec.name}/{method}: {s}"),
                                progress=lambda r: log(f"{spec.name}/{method}: {_progress_line(r)}"))
         except L47Error as e:
@@ -210,7 +222,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], caps: dict, 
         t0 = time.time()
         try:
             a = run_audit(AuditArgs(bundle, spec.model, exp, mdir / "audit", ledger=mdir / "ledger.jsonl",
-                                    plots=False, device=device))
+                                    plots=False, device=opts.device))
         except L47Error as e:
             m.update(audit_error=str(e), audit_s=round(time.time() - t0, 1))
             continue
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="torch device of the dumps, sets, solve and audit (cpu, cuda, mps)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the dumps and sets.json an earlier run wrote under the same --out (solve + audit only)")
+    ap.add_argument("--solver", default="", metavar="TOML",
+                    help="a file of TOML appended to every experiment (a solver variant, e.g. [solver.ftpo] seed = 1)")
     a = ap.parse_args(argv)
     import platform
 
@@ -316,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                "machine": f"{platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
                           + (f", device {a.device} ({torch.cuda.get_device_name()})" if a.device.startswith("cuda")
                              else f", device {a.device}"),
-               "models": {}}
+               "solver": Path(a.solver).read_text(encoding="utf-8") if a.solver else "", "models": {}}
     for name in models:
         t0 = time.time()
-        results["models"][name] = run_model(sp[name], out / name, methods, SMALL if a.small else {},
-                                            a.max_new_tokens, lambda s: print(s, flush=True), a.reuse, a.device)
+        opts = BenchOptions(SMALL if a.small else {}, a.max_new_tokens, a.reuse, a.device, results["solver"])
+        results["models"][name] = run_model(sp[name], out / name, methods, opts, lambda s: print(s, flush=True))
         results["models"][name]["total_s"] = round(time.time() - t0, 1)
     from l47.fileio import write_text_atomic
 

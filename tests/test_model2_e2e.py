@@ -26,7 +26,7 @@ def run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("model2")
     spec = be.specs()["model2"]
-    res = be.run_model(spec, out, ("wfld",), TINY, 32, lambda s: None)
+    res = be.run_model(spec, out, ("wfld",), be.BenchOptions(TINY, 32), lambda s: None)
     return out, res
 
 
