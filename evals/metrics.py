@@ -349,6 +349,14 @@ def flip_figures(docs: Iterable[DocResult], vocab, special_ids: Mapping[str, int
             "flips": flips}
 
 
+def _lost_margins(ps, t: int) -> dict:
+    """Where <|im_end|> lost the argmax at row t: its base lead over the runner-up and how far the new argmax
+    now leads it (nats, f64 log p; a tie of a few thousandths is lost by any edit, a wide lead is damage)."""
+    base_lead = float(ps.base.top_logp[t, 0] - ps.base.top_logp[t, 1]) if ps.base.top_logp.shape[1] > 1 else None
+    return {"base_lead": base_lead, "new_argmax": int(ps.new.argmax[t]),
+            "new_deficit": float(ps.new.top_logp[t, 0] - ps.new.logp_target[t])}
+
+
 def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
                      protected: frozenset | set = frozenset()) -> dict:
     """At real turn ends (target <|im_end|>): does <|im_end|> stay the argmax where it was; mean Δlog p of it.
@@ -372,7 +380,7 @@ def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
                 if int(d.ps.new.argmax[t]) == im_end:
                     kept += 1
                 else:
-                    lost.append({"doc": d.path, "pos": t, "dlogp": float(d.ps.dlogp[t])})
+                    lost.append({"doc": d.path, "pos": t, "dlogp": float(d.ps.dlogp[t]), **_lost_margins(d.ps, t)})
     return {"n": n, "was_argmax": was, "kept": kept, "lost": len(lost), "lost_rows": lost,
             "mean_dlogp": _mean(dl), "min_dlogp": min(dl, default=None),
             "protected": {"n": len(pdl), "lost": plost, "mean_dlogp": _mean(pdl)}}

@@ -258,6 +258,11 @@ def _md_chat(r: dict) -> list[str]:
     if te:
         L += [f"real turn ends: {te['n']}; <|im_end|> was the argmax at {te['was_argmax']}, kept at {te['kept']}; "
               f"mean Δlog p(<|im_end|>) {_f(te['mean_dlogp'])} (min {_f(te['min_dlogp'])})", ""]
+        if te.get("lost_rows"):  # base lead: a tie of thousandths of a nat flips under any edit; a wide lead is damage
+            L += _table(["lost turn end: doc", "pos", "Δlog p(<|im_end|>)", "base lead (nats)", "new argmax id",
+                         "new argmax leads by"],
+                        [[Path(x["doc"]).name, x["pos"], x["dlogp"], x.get("base_lead"), x.get("new_argmax"),
+                          x.get("new_deficit")] for x in te["lost_rows"][:100]])
     sm = chat.get("special_mass") or bl.get("special_mass")
     if sm:
         L += _table(["split", "slop events", "Σp special before", "after", "rise"],

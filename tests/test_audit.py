@@ -512,6 +512,42 @@ def test_mass_pushed_to_im_end_fails_bar_f(world, tmp_path):
     assert all(f["context"] for f in damage)  # decoded to text for the report
 
 
+def test_turn_ends_lost_to_a_word_fail_bar_f_with_their_margins(world, tmp_path):
+    """A planted bundle that lifts one word (" than") in every context until a held-out chat's turn end loses
+    <|im_end|>'s argmax: f.turn_end_argmax fails, and every lost row's base lead and new deficit equal a full-
+    vocabulary re-derivation (f32 logits, log-softmax; tol 1e-4 nats: the audit streams the head in chunks and
+    sums in f64, so the two differ only by f32 rounding of logits of magnitude ~10)."""
+    from l47.model.weights import edited_weight
+
+    w, vocab = world["w"], world["vocab"]
+    im_end, than = vocab.special_ids[names.IM_END], vocab.id_of(" than")
+    ho = [world["dumps"][n] for n, (s, _) in DOCS.items() if s == "chat_heldout"]
+    b_end = _batch(w, ho, lambda d: np.flatnonzero(np.asarray(d.tokens[1:]) == im_end))  # real turn ends
+    with torch.no_grad():
+        was = _logp(w, b_end, None).argmax(1) == im_end
+    assert int(was.sum()) >= 1
+    dW = _along_head_row(w, b_end, J_BIAS, than, 1.0, base_dW=world["dW_good"],
+                         done=lambda lp: int((was & (lp.argmax(1) != im_end)).sum()) >= 1)
+    bundle = _write_bundle(world["base"], tmp_path / "lost_end.gguf", w, dW)
+    _write_record(bundle, w, world["sets"])
+    res = _audit(world, bundle, tmp_path / "out")
+    b = _bars(res)
+    assert not b["f.turn_end_argmax"].passed and b["f.turn_end_argmax"].value >= 1
+    dW_q = edited_weight(w, bundle)[0] - w.W_sd  # the bundle's re-quantised ΔW
+    by_path = {Path(p).resolve(): world["dumps"][n] for n, p in world["paths"].items() if n in world["dumps"]}
+    lost = res.report["chat"]["turn_ends"]["lost_rows"]
+    assert len(lost) == b["f.turn_end_argmax"].value
+    for r in lost:
+        one = _batch(w, [by_path[Path(r["doc"]).resolve()]], lambda d: [r["pos"]])
+        with torch.no_grad():
+            lp0, lp1 = _logp(w, one, None)[0].double(), _logp(w, one, dW_q)[0].double()
+        top0 = torch.topk(lp0, 2).values
+        assert int(lp0.argmax()) == im_end and int(lp1.argmax()) == r["new_argmax"] != im_end
+        assert r["base_lead"] == pytest.approx(float(top0[0] - top0[1]), abs=1e-4)
+        assert r["new_deficit"] == pytest.approx(float(lp1.max() - lp1[im_end]), abs=1e-4) and r["new_deficit"] > 0
+    assert "lost turn end" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_noop_bundle_fails_slop_bar(world, tmp_path):
     res = _audit(world, world["bundles"]["noop"], tmp_path / "out")
     b = _bars(res)
