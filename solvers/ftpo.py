@@ -8,6 +8,7 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
            + λ_shape · mean_{e ∈ events} KL(q⁰_e ‖ q_e) / budget                             the freed mass's shape
            + λ_cond · mean_{m ∈ near misses} KL(q⁰_m ‖ q_m) / budget                         only r's mass moves
            + λ_coll · mean_group mean_{a ∈ group} (min(Δℓ_a, 0) / tol_group)²                soft anchors
+                     [+ (Δo_a / end_odds_tol)² at the real and plausible turn ends]               their lead
            + λ_special · mean_e max(Δ Σ_s p_s, 0) / tol_special                               no special-token rise
            + λ_special · mean_{b ∈ background} max(Δ log Σ_s p_s, 0)                         ... anywhere
            + λ_flip · Σ_{t ∈ near ties} (max(−Δ(z_t1 − z_t2), 0) / max(z⁰_t1 − z⁰_t2, 0.05))²   no flip (bar (f))
@@ -21,9 +22,11 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
   banned token(s) and the special tokens, renormalised (at a near miss the natural continuation keeps its share,
   at an event the freed mass spreads as the base spreads it); groups are the collateral words, tol_word = |bar
   (d)'s word mean|, the real turn ends and (one more group) the background rows where the turn may end (base
-  p(<|im_end|>) ≥ plausible_end_p), tol = |bar (f)'s mean Δlog p(<|im_end|>)|; tol_special is bar (f)'s
-  allowed rise of Σ p(special) at slop positions (a hinge on the log-probs instead held the special tokens'
-  SHARE of the freed mass at zero: a near-certain token could then not lose its mass at all).
+  p(<|im_end|>) ≥ plausible_end_p), tol = |bar (f)'s mean Δlog p(<|im_end|>)|; o_a there is the log-odds of
+  <|im_end|> against the rest of the row's base top-(K+1) (_EndOdds: Δℓ ≈ (1 − p)·Δo misses a lost lead at
+  p ≈ 1); tol_special is bar (f)'s allowed rise of Σ p(special) at slop positions (a hinge on the log-probs
+  instead held the special tokens' SHARE of the freed mass at zero: a near-certain token could then not lose
+  its mass at all).
   Near ties are the background rows and real turn ends whose base top two tokens t1, t2 are one special token and
   one word within flip_margin nats: where bar (f) counts flips (to or away from a special token).
   The "margin" objective (expert option) replaces the target hinge by the seed's preference term
@@ -103,6 +106,11 @@ class FtpoConfig:
     # there) hold log p(<|im_end|>) like the real turn ends (one more anchor group; 0: off). Real turn ends are ~1
     # per chat, and where the model is unsure whether to end (p 0.01–0.4) unseen ones moved ±0.13 nats
     plausible_end_rows: int = 4096  # ... at most this many (the largest base p first)
+    end_odds_tol: float = 0.0  # nats of Δ log-odds of <|im_end|> against its base top-K rivals that cost λ_coll at
+    # the real and plausible turn ends, beside their Δlog p (0: off). Where p(<|im_end|>) ≈ 1, Δlog p ≈ (1 − p)·Δodds
+    # hides any drop of its lead: measured on model2 (seed 1) the turn ends' lead over the runner-up fell 0.08 nats
+    # on average (sd 0.18) while their mean Δlog p was −0.0003. Off by default: at 0.01 the mean drop vanished
+    # (+0.024) but pooled held-out removal fell 0.21 → 0.45 and the 0.004-nat tie was still lost (docs/SOLVERS.md)
     eval_every: int = 10
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
     seed: int = 0
@@ -212,6 +220,24 @@ def soft_anchor(dlp: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------
 # the trainer
+
+
+class _EndOdds:
+    """The log-odds of <|im_end|> against its base top-K rivals (every other token of the row's base top-K) at a set
+    of rows: o = z_end − log Σ_rivals exp z (log_odds); it does not saturate where p(<|im_end|>) ≈ 1."""
+
+    def __init__(self, b: Batch, w: TailWeights, im_end: int, K: int):
+        with torch.no_grad():
+            mix0 = batch_mix(b, w)
+            st = head_stats(mix0, w, b.target.cpu().numpy(), topk=K + 1)
+            self.ids = torch.as_tensor(st.top_ids, device=mix0.device)  # [P, K+1]
+            self.keep = self.ids != im_end  # [P, K+1]
+            self.end = torch.full((b.P, 1), im_end, device=mix0.device)
+            self.o0 = self.odds(mix0, w, torch.arange(b.P, device=mix0.device))  # [P]
+
+    def odds(self, mix: torch.Tensor, w: TailWeights, rows: torch.Tensor) -> torch.Tensor:
+        """o [r] at the rows `rows` [r] of the set, given their mix [r, n]."""
+        return log_odds(logits_at(mix, w, self.end[rows])[:, 0], logits_at(mix, w, self.ids[rows]), self.keep[rows])
 
 
 class _Tether:
@@ -446,6 +472,7 @@ class _Objective:
                 gi = {g: i for i, g in enumerate(sorted(set(pb.anchor_group)))}
                 self.an_group = torch.as_tensor([gi[g] for g in pb.anchor_group], device=dev_)
                 self.an_tol = torch.as_tensor(pb.anchor_tol, dtype=torch.float32, device=dev_)
+        self.odds_an, self.odds_pe, self.an_end_pos = self._end_odds(w, pb, cfg)
         self.an_rows = _Rotation(0 if self.lp0_an is None else pb.anchors.P, cfg.anchor_batch, cfg.seed + 1, dev_)
         self.pe_rot = _Rotation(0 if self.pe_rows is None else self.pe_rows.numel(), cfg.anchor_batch, cfg.seed + 2, dev_)
         self.teth_ev = _Tether(ev, w, terms.rejected, self.special, cfg.tether_topk)
@@ -475,6 +502,42 @@ class _Objective:
         return rows, lp[rows].float(), [f"plausible turn ends: {rows.numel()} background rows with base "
                                         f"p(<|im_end|>) ≥ {cfg.plausible_end_p:g} hold log p(<|im_end|>) (tol "
                                         f"{pb.im_end_tol:g} nats)"]
+
+    def _end_odds(self, w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig):
+        """(_EndOdds at the turn-end anchors or None, _EndOdds at the plausible turn ends or None, per anchor its
+        row in the first [A] (−1: not a turn end) or None); all None when end_odds_tol is 0."""
+        if pb.im_end is None or cfg.end_odds_tol <= 0:
+            return None, None, None
+        odds_an = pos = odds_pe = None
+        if self.lp0_an is not None:
+            ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+            if ends:
+                e = torch.as_tensor(ends, device=w.device)
+                odds_an = _EndOdds(batch_rows(pb.anchors, e), w, int(pb.im_end), cfg.tether_topk)
+                pos = torch.full((pb.anchors.P,), -1, dtype=torch.long, device=w.device)
+                pos[e] = torch.arange(len(ends), device=w.device)
+        if self.pe_rows is not None:
+            odds_pe = _EndOdds(batch_rows(pb.background, self.pe_rows), w, int(pb.im_end), cfg.tether_topk)
+        return odds_an, odds_pe, pos
+
+    def _odds_cost(self, odds: _EndOdds | None, mix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(Δo / end_odds_tol)² at `rows` [r] of an _EndOdds set (mix [r, n]); 0 where off."""
+        if odds is None or not rows.numel():
+            return mix.new_zeros(())
+        return soft_anchor(odds.odds(mix, self.w, rows) - odds.o0[rows], self.cfg.end_odds_tol).float()
+
+    def _anchor_cost(self, dW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cost [a] per anchor of a rotating subset, its rows [a]): soft_anchor of Δℓ, plus at the turn ends the
+        cost of their log-odds (_odds_cost)."""
+        pb, a = self.pb, self.an_rows()
+        mix = batch_mix(batch_rows(pb.anchors, a), self.w, dW=dW)  # [a, n]
+        cost = soft_anchor(logp_at(mix, self.w, pb.anchors.target[a]) - self.lp0_an[a], self.an_tol[a])  # [a]
+        if self.an_end_pos is not None:
+            pos = self.an_end_pos[a]
+            m = pos >= 0
+            if bool(m.any()):
+                cost = cost.index_add(0, torch.nonzero(m)[:, 0], self._odds_cost(self.odds_an, mix[m], pos[m]))
+        return cost, a
 
     def _log_special_mass(self, mix: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """log Σ_s p_s per row [B] given the rows' log-sum-exp."""
@@ -512,16 +575,16 @@ class _Objective:
             cond = cond + cfg.lambda_cond * self.teth_near.kl(batch_mix(pb.near, w, dW=dW), w).mean().float()
         coll = mix.new_zeros(())
         if self.lp0_an is not None:
-            a = self.an_rows()  # a rotating subset of the anchors
-            dlp = logp_at(batch_mix(batch_rows(pb.anchors, a), w, dW=dW), w, pb.anchors.target[a]) - self.lp0_an[a]  # [a]
-            coll = per_group_mean(soft_anchor(dlp, self.an_tol[a]), self.an_group[a])
+            cost, a = self._anchor_cost(dW)  # a rotating subset of the anchors
+            coll = per_group_mean(cost, self.an_group[a])
         if self.pe_rows is not None:  # the plausible turn ends: one more group of the soft anchors
             k = self.pe_rot()
             r = self.pe_rows[k]
             mix_pe = batch_mix(batch_rows(pb.background, r), w, dW=dW)
             dlp = logp_at(mix_pe, w, torch.full_like(r, int(pb.im_end))) - self.lp0_pe[k]  # [k]
             g = 0 if self.lp0_an is None else int(torch.unique(self.an_group[a]).numel())
-            coll = (coll * g + soft_anchor(dlp, torch.full_like(dlp, pb.im_end_tol)).mean()) / (g + 1)
+            pe = soft_anchor(dlp, torch.full_like(dlp, pb.im_end_tol)) + self._odds_cost(self.odds_pe, mix_pe, k)
+            coll = (coll * g + pe.mean()) / (g + 1)
         flip = self.ties.cost(w, dW) if self.ties is not None and self.ties.n else mix.new_zeros(())
         loss = (pref + lam * kl_bg / pb.kl_budget + cond / pb.kl_budget + self.lam_flip * flip
                 + cfg.lambda_coll * coll + cfg.lambda_special * special_t

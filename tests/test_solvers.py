@@ -504,7 +504,7 @@ def test_ftpo_plausible_turn_ends_select_and_cost_against_full_softmax(setup):
     ok = (lp0[:, im].exp() >= p_min) & (bg.target != im)
     want = torch.nonzero(ok)[:, 0]
     assert 5 < want.numel() < bg.P  # planted: some rows plausible, some real turn ends among them left out
-    cfg = FtpoConfig(plausible_end_p=p_min, anchor_batch=0, gap_margin=0.0, lambda_flip=0.0)
+    cfg = FtpoConfig(plausible_end_p=p_min, anchor_batch=0, gap_margin=0.0, lambda_flip=0.0, end_odds_tol=0.0)
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5,
                      kl_budget=0.1, im_end=im, im_end_tol=0.02)
     obj = _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long))
@@ -520,3 +520,44 @@ def test_ftpo_plausible_turn_ends_select_and_cost_against_full_softmax(setup):
     assert ref > 1e-3 and obj(dW, rows, 1.0)[1]["coll"] == pytest.approx(ref, rel=1e-4)
     off = _Objective(w, pb, dataclasses.replace(cfg, plausible_end_p=0.0), torch.zeros(ev.P, dtype=torch.long))
     assert off.pe_rows is None and off(dW, rows, 1.0)[1]["coll"] == 0.0
+
+
+def test_ftpo_turn_end_log_odds_cost_against_full_softmax(setup):
+    """At turn-end anchors the anchor cost is (Δlog p / tol)² + (Δo / end_odds_tol)², o = z_end − log Σ exp z over
+    the row's base top-(K+1) without the turn-end token, recomputed here from f64 full-vocabulary logits (rel 1e-4:
+    f32 logits); 0 at ΔW = 0; with end_odds_tol = 0 the log p term alone."""
+    import dataclasses
+
+    from l47.model import names
+    from l47.solvers.ftpo import FtpoConfig, FtpoProblem, _Objective
+
+    w, ev, terms, an = setup["w"], setup["ev"], setup["terms"], setup["an"]
+    z0 = (_mix(an, w) @ w.head.T).double()  # [A, V]
+    im = int(torch.mode(z0.argmax(-1)).values)
+    an = dataclasses.replace(an, target=torch.full_like(an.target, im))  # every anchor a real turn end
+    K, tol, tol_o = 4, 0.02, 0.05
+    cfg = FtpoConfig(anchor_batch=0, gap_margin=0.0, lambda_flip=0.0, plausible_end_p=0.0, tether_topk=K,
+                     end_odds_tol=tol_o)
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=setup["bg"], target_residual=0.5,
+                     kl_budget=0.1, anchors=an, anchor_group=[names.IM_END] * an.P, anchor_tol=[tol] * an.P, im_end=im)
+    obj = _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long))
+    rows = torch.arange(pb.background.P)
+    assert obj(torch.zeros(w.n, w.f), rows, 1.0)[1]["coll"] == pytest.approx(0.0, abs=1e-9)
+
+    def ref(dW):
+        z1 = (_mix(an, w, dW=dW) @ w.head.T).double()
+        top = torch.topk(z0, K + 1, dim=-1).indices  # [A, K+1] the base top-(K+1)
+        keep = top != im
+
+        def odds(z):
+            return z[:, im] - torch.logsumexp(z.gather(1, top).masked_fill(~keep, -torch.inf), -1)
+
+        dlp = torch.log_softmax(z1, -1)[:, im] - torch.log_softmax(z0, -1)[:, im]
+        return float(((dlp / tol) ** 2 + ((odds(z1) - odds(z0)) / tol_o) ** 2).mean()), dlp, odds(z1) - odds(z0)
+
+    dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(7))
+    want, _, _ = ref(dW)
+    assert want > 1e-3 and obj(dW, rows, 1.0)[1]["coll"] == pytest.approx(want, rel=1e-4)
+    _, dlp, _ = ref(dW)
+    off = _Objective(w, pb, dataclasses.replace(cfg, end_odds_tol=0.0), torch.zeros(ev.P, dtype=torch.long))
+    assert off(dW, rows, 1.0)[1]["coll"] == pytest.approx(float(((dlp / tol) ** 2).mean()), rel=1e-4)

@@ -139,6 +139,7 @@ FTPO_MEANINGS = {
     "anchor_batch": "soft anchors per step (rotating; 0: all of them)",
     "plausible_end_p": "background rows whose base p(<|im_end|>) is at least this (the turn may end there; target another token) hold log p(<|im_end|>) as one more soft-anchor group, tol = bar (f)'s 0.005 nats (0: off; docs/SOLVERS.md \"Plausible turn ends\")",
     "plausible_end_rows": "... at most this many, the most likely first",
+    "end_odds_tol": "nats of Δ log-odds of <|im_end|> against its base top-K rivals that cost λ_coll at the real and plausible turn ends, beside their Δlog p (holds its lead where p ≈ 1; 0: off, the default: measured on model2 it cost most of the removal, docs/SOLVERS.md)",
     "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
     "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
     "seed": "training seed",
