@@ -9,6 +9,7 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
            + λ_cond · mean_{m ∈ near misses} KL(q⁰_m ‖ q_m) / budget                         only r's mass moves
            + λ_coll · mean_group mean_{a ∈ group} (min(Δℓ_a, 0) / tol_group)²                soft anchors
                      [+ (Δo_a / end_odds_tol)² at the real and plausible turn ends]               their lead
+                     [+ one group: Σ_r n_r (min(mean_{runner-up r} Δ(z_end − z_r), 0) / end_lead_tol)² / Σ_r n_r]
            + λ_special · mean_e max(Δ Σ_s p_s, 0) / tol_special                               no special-token rise
            + λ_special · mean_{b ∈ background} max(Δ log Σ_s p_s, 0)                         ... anywhere
            + λ_flip · Σ_{t ∈ near ties} (max(−Δ(z_t1 − z_t2), 0) / max(z⁰_t1 − z⁰_t2, 0.05))²   no flip (bar (f))
@@ -111,6 +112,8 @@ class FtpoConfig:
     # hides any drop of its lead: measured on model2 (seed 1) the turn ends' lead over the runner-up fell 0.08 nats
     # on average (sd 0.18) while their mean Δlog p was −0.0003. Off by default: at 0.01 the mean drop vanished
     # (+0.024) but pooled held-out removal fell 0.21 → 0.45 and the 0.004-nat tie was still lost (docs/SOLVERS.md)
+    end_lead_tol: float = 0.0  # nats by which a runner-up word may gain on <|im_end|> on average over the turn ends
+    # (real and plausible) where it is the base runner-up, at a cost of λ_coll (_EndLeads; 0: off)
     eval_every: int = 10
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
     seed: int = 0
@@ -238,6 +241,37 @@ class _EndOdds:
     def odds(self, mix: torch.Tensor, w: TailWeights, rows: torch.Tensor) -> torch.Tensor:
         """o [r] at the rows `rows` [r] of the set, given their mix [r, n]."""
         return log_odds(logits_at(mix, w, self.end[rows])[:, 0], logits_at(mix, w, self.ids[rows]), self.keep[rows])
+
+
+class _EndLeads:
+    """The lead of <|im_end|> over each row's base runner-up r (its strongest other token), d = z_end − z_r, at a set of
+    turn-end rows, grouped by r. A word that gains on <|im_end|> wherever it is the runner-up takes turn ends the
+    solver never sees (a held-out near tie is lost to the drift, not to its own row's noise): the cost is the
+    one-sided square of each runner-up's mean Δd, rows weighted alike, so the spread within a group stays free."""
+
+    def __init__(self, b: Batch, w: TailWeights, im_end: int):
+        with torch.no_grad():
+            mix0 = batch_mix(b, w)
+            top = torch.as_tensor(head_stats(mix0, w, b.target.cpu().numpy(), topk=2).top_ids, device=mix0.device)
+            r = torch.where(top[:, 0] == im_end, top[:, 1], top[:, 0])  # [P] the base runner-up
+            self.b, self.ids = b, torch.stack([torch.full_like(r, im_end), r], 1)  # [P, 2]
+            self.group = torch.unique(r, return_inverse=True)[1]  # [P] 0..G−1
+            self.n = torch.bincount(self.group).double()  # [G]
+            self.d0 = self.lead(mix0, w)  # [P] f64
+
+    def lead(self, mix: torch.Tensor, w: TailWeights) -> torch.Tensor:
+        """d [P] f64 given the rows' mix [P, n]."""
+        z = logits_at(mix, w, self.ids).double()  # [P, 2]
+        return z[:, 0] - z[:, 1]
+
+    def drift(self, w: TailWeights, dW: torch.Tensor) -> torch.Tensor:
+        """Mean Δd per runner-up [G] f64 (nats; < 0: the runner-up gained on <|im_end|>)."""
+        dd = self.lead(batch_mix(self.b, w, dW=dW), w) - self.d0  # [P]
+        return torch.zeros_like(self.n).index_add(0, self.group, dd) / self.n
+
+    def cost(self, w: TailWeights, dW: torch.Tensor, tol: float) -> torch.Tensor:
+        """Σ_g n_g (min(drift_g, 0) / tol)² / Σ_g n_g (f32 scalar)."""
+        return ((F.relu(-self.drift(w, dW)) / tol) ** 2 * self.n).sum().float() / float(self.n.sum())
 
 
 class _Tether:
@@ -473,6 +507,7 @@ class _Objective:
                 self.an_group = torch.as_tensor([gi[g] for g in pb.anchor_group], device=dev_)
                 self.an_tol = torch.as_tensor(pb.anchor_tol, dtype=torch.float32, device=dev_)
         self.odds_an, self.odds_pe, self.an_end_pos = self._end_odds(w, pb, cfg)
+        self.leads = self._end_leads(w, pb, cfg)
         self.an_rows = _Rotation(0 if self.lp0_an is None else pb.anchors.P, cfg.anchor_batch, cfg.seed + 1, dev_)
         self.pe_rot = _Rotation(0 if self.pe_rows is None else self.pe_rows.numel(), cfg.anchor_batch, cfg.seed + 2, dev_)
         self.teth_ev = _Tether(ev, w, terms.rejected, self.special, cfg.tether_topk)
@@ -519,6 +554,16 @@ class _Objective:
         if self.pe_rows is not None:
             odds_pe = _EndOdds(batch_rows(pb.background, self.pe_rows), w, int(pb.im_end), cfg.tether_topk)
         return odds_an, odds_pe, pos
+
+    def _end_leads(self, w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig) -> _EndLeads | None:
+        """_EndLeads at the real turn-end anchors and the plausible turn ends, or None when end_lead_tol is 0."""
+        if pb.im_end is None or cfg.end_lead_tol <= 0:
+            return None
+        parts = [batch_rows(pb.background, self.pe_rows)] if self.pe_rows is not None else []
+        ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END] if self.lp0_an is not None else []
+        if ends:
+            parts.append(batch_rows(pb.anchors, torch.as_tensor(ends, device=w.device)))
+        return _EndLeads(batch_cat(parts), w, int(pb.im_end)) if parts else None
 
     def _odds_cost(self, odds: _EndOdds | None, mix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """(Δo / end_odds_tol)² at `rows` [r] of an _EndOdds set (mix [r, n]); 0 where off."""
@@ -573,18 +618,19 @@ class _Objective:
         cond = cfg.lambda_shape * self.teth_ev.kl(mix, w, z_s).mean().float()  # events: the freed mass's shape
         if self.teth_near is not None:  # near misses: the natural continuation keeps its share
             cond = cond + cfg.lambda_cond * self.teth_near.kl(batch_mix(pb.near, w, dW=dW), w).mean().float()
-        coll = mix.new_zeros(())
+        coll, ng = mix.new_zeros(()), 0  # mean over anchor groups; ng groups so far
         if self.lp0_an is not None:
             cost, a = self._anchor_cost(dW)  # a rotating subset of the anchors
-            coll = per_group_mean(cost, self.an_group[a])
+            coll, ng = per_group_mean(cost, self.an_group[a]), int(torch.unique(self.an_group[a]).numel())
         if self.pe_rows is not None:  # the plausible turn ends: one more group of the soft anchors
             k = self.pe_rot()
             r = self.pe_rows[k]
             mix_pe = batch_mix(batch_rows(pb.background, r), w, dW=dW)
             dlp = logp_at(mix_pe, w, torch.full_like(r, int(pb.im_end))) - self.lp0_pe[k]  # [k]
-            g = 0 if self.lp0_an is None else int(torch.unique(self.an_group[a]).numel())
             pe = soft_anchor(dlp, torch.full_like(dlp, pb.im_end_tol)) + self._odds_cost(self.odds_pe, mix_pe, k)
-            coll = (coll * g + pe.mean()) / (g + 1)
+            coll, ng = (coll * ng + pe.mean()) / (ng + 1), ng + 1
+        if self.leads is not None:  # no runner-up gains on <|im_end|> on average: one more group
+            coll, ng = (coll * ng + self.leads.cost(w, dW, cfg.end_lead_tol)) / (ng + 1), ng + 1
         flip = self.ties.cost(w, dW) if self.ties is not None and self.ties.n else mix.new_zeros(())
         loss = (pref + lam * kl_bg / pb.kl_budget + cond / pb.kl_budget + self.lam_flip * flip
                 + cfg.lambda_coll * coll + cfg.lambda_special * special_t

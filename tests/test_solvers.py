@@ -561,3 +561,43 @@ def test_ftpo_turn_end_log_odds_cost_against_full_softmax(setup):
     _, dlp, _ = ref(dW)
     off = _Objective(w, pb, dataclasses.replace(cfg, end_odds_tol=0.0), torch.zeros(ev.P, dtype=torch.long))
     assert off(dW, rows, 1.0)[1]["coll"] == pytest.approx(float(((dlp / tol) ** 2).mean()), rel=1e-4)
+
+
+def test_ftpo_turn_end_runner_up_drift_against_full_logits(setup):
+    """With end_lead_tol on, the turn ends add one anchor group: Σ_g n_g (min(mean_g Δd, 0) / tol)² / Σ n_g, d = z_end −
+    z_r with r the row's strongest other token in the base, g the rows sharing r — recomputed here from f64
+    full-vocabulary logits (rel 1e-4: f32 logits). 0 at ΔW = 0; one-sided (the ΔW below raises some groups' leads
+    and lowers others': only the lowered ones cost)."""
+    import dataclasses
+
+    from l47.model import names
+    from l47.solvers.ftpo import FtpoConfig, FtpoProblem, _Objective
+
+    w, ev, terms, an = setup["w"], setup["ev"], setup["terms"], setup["an"]
+    z0 = (_mix(an, w) @ w.head.T).double()  # [A, V]
+    im = int(torch.mode(z0.argmax(-1)).values)
+    an = dataclasses.replace(an, target=torch.full_like(an.target, im))  # every anchor a real turn end
+    tol, tol_d = 0.02, 0.03
+    cfg = FtpoConfig(anchor_batch=0, gap_margin=0.0, lambda_flip=0.0, plausible_end_p=0.0, end_lead_tol=tol_d)
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=setup["bg"], target_residual=0.5,
+                     kl_budget=0.1, anchors=an, anchor_group=[names.IM_END] * an.P, anchor_tol=[tol] * an.P, im_end=im)
+    obj = _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long))
+    rows = torch.arange(pb.background.P)
+    assert obj(torch.zeros(w.n, w.f), rows, 1.0)[1]["coll"] == pytest.approx(0.0, abs=1e-9)
+    others = z0.clone()
+    others[:, im] = -torch.inf
+    r = others.argmax(-1)  # [A] the base runner-up
+    assert torch.unique(r).numel() > 1  # several groups, so the group means are what is tested
+
+    def ref(dW):
+        z1 = (_mix(an, w, dW=dW) @ w.head.T).double()
+        dlp = torch.log_softmax(z1, -1)[:, im] - torch.log_softmax(z0, -1)[:, im]
+        dd = (z1[:, im] - z1.gather(1, r[:, None])[:, 0]) - (z0[:, im] - z0.gather(1, r[:, None])[:, 0])
+        drift = [(float(m.sum()), float(dd[m].mean())) for m in (r[None] == torch.unique(r)[:, None])]
+        lead = sum(n * (min(d, 0.0) / tol_d) ** 2 for n, d in drift) / len(r)
+        return (float(((dlp / tol) ** 2).mean()) + lead) / 2, [d for _, d in drift]  # two groups: anchors, leads
+
+    dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(7))
+    want, drift = ref(dW)
+    assert min(drift) < -1e-3 and max(drift) > 1e-3  # both signs present: the hinge is exercised
+    assert obj(dW, rows, 1.0)[1]["coll"] == pytest.approx(want, rel=1e-4)

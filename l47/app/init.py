@@ -140,6 +140,7 @@ FTPO_MEANINGS = {
     "plausible_end_p": "background rows whose base p(<|im_end|>) is at least this (the turn may end there; target another token) hold log p(<|im_end|>) as one more soft-anchor group, tol = bar (f)'s 0.005 nats (0: off; docs/SOLVERS.md \"Plausible turn ends\")",
     "plausible_end_rows": "... at most this many, the most likely first",
     "end_odds_tol": "nats of Δ log-odds of <|im_end|> against its base top-K rivals that cost λ_coll at the real and plausible turn ends, beside their Δlog p (holds its lead where p ≈ 1; 0: off, the default: measured on model2 it cost most of the removal, docs/SOLVERS.md)",
+    "end_lead_tol": "nats by which a runner-up word may gain on <|im_end|> on average over the turn ends (real and plausible) where it is the base runner-up, at a cost of λ_coll (0: off, the default: on model2 it held the turn end a drifting word took, not a 0.004-nat tie, docs/SOLVERS.md)",
     "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
     "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
     "seed": "training seed",
