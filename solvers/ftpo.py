@@ -45,7 +45,9 @@ candidate ΔW is re-quantised (when a `shipped` map is given, as it ships) and m
 whole background, train and dev residual per phrase. λ doubles whenever the exact KL exceeds the budget (it is
 never lowered: a budget far from binding is no licence to spend it; the KLD domains and the held-out chat are
 not in the background, and on the second model they moved 100–300× more than it). Kept:
-the candidate within the budget with the most dev removal (mean over phrases of log max(residual, t)); among
+the candidate within the budget with the most removal (mean over phrases of log max(residual, t), the residual
+at_target_residuals': the larger of dev and train, the rule that stops the solve and that the record's convergence
+reports — a key on dev alone kept candidates whose train residual was still above t after a "converged" stop); among
 those reaching t on every phrase, the least KL. Stops when every phrase's dev and train residuals reach t
 within the budget (converged), at the step cap, or at the time budget. Precision: f32 forward/backward, f64
 vocabulary reductions (l47.tail.stream), f64 means of the measured figures.
@@ -671,8 +673,8 @@ class _Judge:
                 dv = _phrase_residuals(self.dev_p0, p1, pb.dev_phrase)
             kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
-        judge = {**tr, **dv}  # dev where a phrase has dev events, else train
-        key = (removal_score(judge, t), kl)
+        at = at_target_residuals(tr, dv)  # the rule `reached` and the record's convergence use: one per phrase
+        key = (removal_score(at, t), kl)
         dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
                                     kl_dev_hi <= pb.dev_kl_limit)
         ok = kl <= pb.kl_budget and dev_ok and not flips and not ends_lost["dev"] and not ends_lost["anchors"]
@@ -682,7 +684,7 @@ class _Judge:
                 "dev_flips": flips,
                 "turn_ends_lost": ends_lost,
                 "lambda": lam, "train_residual": tr, "dev_residual": dv,
-                "reached": ok and all(v <= t for v in at_target_residuals(tr, dv).values())}
+                "reached": ok and all(v <= t for v in at.values())}
 
     def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int, torch.Tensor | None, dict, float | None]:
         """(mean exact KL, argmax flips to a special token, the edited argmax [D], role -> mean KL, the mean's 95 %
