@@ -353,6 +353,13 @@ def removal_score(res: dict[str, float], target: float) -> float:
     return float(np.mean([math.log(max(v, target)) for v in res.values()])) if res else 0.0
 
 
+def candidate_key(train: dict[str, float], dev: dict[str, float], target: float, kl: float) -> tuple[float, float]:
+    """How the judge ranks admissible candidates (lower first): the removal score of each phrase's residual as
+    `at_target_residuals` reads it (the larger of dev and train: the rule that stops the solve and that the
+    record's convergence reports), then the exact background KL."""
+    return removal_score(at_target_residuals(train, dev), target), kl
+
+
 def special_word_pairs(rows: list[Batch], w: TailWeights, special: torch.Tensor, margin: float):
     """(Batch, ids [N, 2], gap [N]) of the rows whose base top two tokens are one special token and one not, within
     `margin` nats (gap = base log-prob of the first − the second, f64 reduction, f32 out); (None, None, None) if none.
@@ -677,7 +684,7 @@ class _Judge:
             kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
         at = at_target_residuals(tr, dv)  # the rule `reached` and the record's convergence use: one per phrase
-        key = (removal_score(at, t), kl)
+        key = candidate_key(tr, dv, t, kl)
         dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
                                     kl_dev_hi <= pb.dev_kl_limit)
         ok = kl <= pb.kl_budget and dev_ok and not flips and not ends_lost["dev"] and not ends_lost["anchors"]

@@ -142,6 +142,28 @@ def test_ftpo_at_target_needs_dev_and_train():
     assert at.convergence(0.2).max_violation == 0.0
 
 
+def test_ftpo_keeps_candidates_by_the_residual_that_stops_it():
+    """The judge's key reads each phrase as the stop rule does (the larger of dev and train). The case it mends
+    (the demo with lambda_shape 0, three seeds): a dev-only key kept an earlier, lower-KL candidate at target on
+    dev but not on train, the solve stopped "converged" with a record violation of 0.035–0.131 nats, and the
+    audit's claims bar failed. Illustrative residuals; the scores re-derived by hand (mean of log max(r, t))."""
+    import math
+
+    from l47.solvers.ftpo import candidate_key
+
+    t = 0.2
+    early = candidate_key({"a": 0.23, "b": 0.1}, {"a": 0.15, "b": 0.1}, t, kl=1e-4)
+    late = candidate_key({"a": 0.2, "b": 0.1}, {"a": 0.2, "b": 0.1}, t, kl=2e-4)
+    assert early[0] == pytest.approx((math.log(0.23) + math.log(0.2)) / 2, rel=1e-12)
+    assert late[0] == pytest.approx(math.log(0.2), rel=1e-12) and late < early  # more removal beats less KL
+    # a phrase without dev events is read on train; both at target: the least KL wins
+    assert candidate_key({"c": 0.1}, {}, t, 1e-4) < candidate_key({"c": 0.19}, {}, t, 2e-4)
+    # the earlier rule (dev where a phrase has dev events) would have kept `early`
+    from l47.solvers.ftpo import removal_score
+
+    assert removal_score({"a": 0.15, "b": 0.1}, t) == removal_score({"a": 0.2, "b": 0.1}, t)  # tie -> less KL
+
+
 def test_key_basis_spans_the_phrase_keys_relative_to_the_background(setup):
     """Q is orthonormal; with k = the phrase's event count, span(Q) = span(B⁻¹ h_e) (the generalized
     eigenvectors of (C, B) with non-zero eigenvalue), re-derived by projecting B⁻¹ hᵀ; with k = 1 the kept

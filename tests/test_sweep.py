@@ -202,13 +202,14 @@ def test_sweep_intervals_equal_the_audit_s_on_two_dev_documents(world, tmp_path)
     """heldout_b moved to dev (two dev chats; 'rather than' is in one of them only). Reference: the audit of the
     chosen bundle computes the same intervals from ITS per-document scoring (slop.per_set.dev, another forward
     path, events in another order) with the same bootstrap streams; tolerance 1e-5 relative (f32 forwards of the
-    same weights). Every interval holds its point; the table carries the record's numbers exactly. 20 FTPO steps
-    per candidate: the figures need not be good, only measured."""
+    same weights). Every interval holds its point; the table carries the record's numbers exactly. 80 FTPO steps
+    per candidate: the figures need not be good, only measured — but the kept candidate must have moved (at 20
+    steps "rather than" had risen to 1.4 on train, so no candidate beat ΔW = 0 and every interval was [1, 1])."""
     from test_audit import _audit_exp, _variant
 
     base = _variant(world, "twodev", {"dev": [world["paths"]["heldout_b"].name]}, drop=("heldout_b",))
     exp = world["root"] / "sweep_twodev.toml"
-    exp.write_text(base.read_text() + '\n[solver]\nmethod = "ftpo"\n\n[solver.ftpo]\nsteps = 20\neval_every = 10\n')
+    exp.write_text(base.read_text() + '\n[solver]\nmethod = "ftpo"\n\n[solver.ftpo]\nsteps = 80\neval_every = 20\n')
     r = _cli("solve", exp, "--sweep", "--out", tmp_path / "b.gguf", "--model", world["base"], "--ledger",
              tmp_path / "ledger.jsonl")
     assert r.exit_code == 0, r.output
