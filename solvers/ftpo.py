@@ -46,7 +46,7 @@ whole background, train and dev residual per phrase. λ doubles whenever the exa
 never lowered: a budget far from binding is no licence to spend it; the KLD domains and the held-out chat are
 not in the background, and on the second model they moved 100–300× more than it). Kept:
 the candidate within the budget with the most removal (mean over phrases of log max(residual, t), the residual
-at_target_residuals': the larger of dev and train, the rule that stops the solve and that the record's convergence
+as `at_target_residuals` reads it: the larger of dev and train, the rule that stops the solve and that the record's convergence
 reports — a key on dev alone kept candidates whose train residual was still above t after a "converged" stop); among
 those reaching t on every phrase, the least KL. Stops when every phrase's dev and train residuals reach t
 within the budget (converged), at the step cap, or at the time budget. Precision: f32 forward/backward, f64
@@ -90,7 +90,7 @@ class FtpoConfig:
     lambda_cond: float = 1.0  # weight of the conditional tether KL / budget at near misses
     lambda_shape: float = 0.0  # ... at events (the freed mass's shape; no bar judges it). Off by default: at 0.1
     # the tether spread the freed mass as the base spreads it, onto sentence starters (" The", " I") that take
-    # held-out turn ends at near ties — model2 lost one at 9 of 10 solver seeds and every solve hit the step cap;
+    # held-out turn ends at near ties — model2 lost one at 14 of 15 solver seeds and every solve hit the step cap;
     # at 0 both models passed every bar at 10 of 10 seeds (docs/BENCHMARKS.md); at 1.0 it slowed removal ~3×
     lambda_coll: float = 4.0
     lambda_special: float = 1.0
