@@ -16,6 +16,9 @@ c, gap_e = ℓ_r − ℓ_c changes by ⟨a_e, ΔW⟩ (a_e = g_e h_eᵀ, g_e = �
     per phrase max_{½ s ΔWᵀMΔW ≤ budget} mean_{e ∈ phrase} (−⟨a_e, ΔW⟩) = √(2·budget·1ᵀK1 / s) / |phrase|
 K = C M⁻¹ Cᵀ is WFLD's dual Gram. A phrase that cannot reach its target is named with the binding constraint:
 `no train events`, `anchors' span` (its keys ≥ max_removed inside it), or `KL budget` (needed > reachable).
+With soft anchors (FTPO, the default method: its anchors are penalties, they remove no direction of f) the bound
+is the same problem with B = I — nothing blocked, only the budget binds; the anchors' rank and the share of each
+key inside their span are still reported (what WFLD, whose anchors are exact, would be bound by).
 
 Notation for shapes: E train events, m = E rows, n hidden, f width, f' null-space dimension.
 Precision: f64 for every solve step, f32 forward.
@@ -77,6 +80,7 @@ class FeasibilityPlan:
     metric_scale: float  # joint_exact_kl / joint_min_kl: the factor the reachable figures are corrected by
     fisher_tail_mass: float
     notes: list[str] = field(default_factory=list)
+    anchors_soft: bool = False  # True: the bound is without the anchors' span (FTPO's anchors are soft)
 
     @property
     def short(self) -> list[PhrasePlan]:
@@ -156,9 +160,11 @@ class _Joint:
 PLAN_RIDGE = 1e-6  # ρ relative to mean(γ)·mean(α): only keeps M invertible
 
 
-def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig()) -> FeasibilityPlan:
+def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig(),
+                soft_anchors: bool = False) -> FeasibilityPlan:
     """The plan (module docstring) of the selection `inp`, with WFLD's settings for the anchors' span and the
-    metric (anchor_tol, max_removed, fisher_topk, fisher_tail_samples)."""
+    metric (anchor_tol, max_removed, fisher_topk, fisher_tail_samples). soft_anchors: the solver's anchors are
+    penalties (FTPO), so the reachable figures are computed without their span (B = I, no event blocked)."""
     B, rank = anchor_basis(inp.anchors, w.f, cfg.anchor_tol, w.device)  # [f, f']
     an = inp.anchors
     words = word_null_cost(an.hh, inp.anchor_words, cfg.anchor_tol) if an is not None and an.P else {}
@@ -167,6 +173,11 @@ def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig())
     d_need = needed_gap(inp.event_p, inp.target) if len(inp.event_p) else np.zeros(0)
     blocked = share > cfg.max_removed
     notes: list[str] = []
+    if soft_anchors:
+        if blocked.any():
+            notes.append(f"{int(blocked.sum())} of {len(blocked)} train events lie ≥ {cfg.max_removed:.0%} inside the "
+                         f"anchors' span: exact anchors (WFLD) could not move them; FTPO's soft anchors can")
+        B, blocked = torch.eye(w.f, dtype=B.dtype, device=B.device), np.zeros_like(blocked)  # [f, f] nothing blocked
     joint = _joint(w, inp, B, cfg, d_need, blocked, notes) if movable else _Joint()
     out = [_phrase_plan(ph, inp, share, blocked, d_need, joint) for ph in inp.phrases]
     train = base_p_intervals([{"doc_sha256": d, "phrase": ph, "p_base": float(p)}
@@ -177,9 +188,9 @@ def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig())
         notes.append(f"the least-KL edit reaching every phrase's linearised target has an exact background KL of "
                      f"{joint.exact_kl:.3g} nats > the budget {inp.kl_budget:.3g}")
     return FeasibilityPlan(target=inp.target, kl_budget=inp.kl_budget, f=w.f, anchors=0 if an is None else an.P,
-                           anchor_rank=rank, turn_ends=inp.turn_ends, null_dim=B.shape[1], words=words, phrases=out,
+                           anchor_rank=rank, turn_ends=inp.turn_ends, null_dim=w.f - rank, words=words, phrases=out,
                            joint_min_kl=joint.min_kl, joint_exact_kl=joint.exact_kl, metric_scale=joint.scale,
-                           fisher_tail_mass=joint.tail_mass, notes=notes)
+                           fisher_tail_mass=joint.tail_mass, notes=notes, anchors_soft=soft_anchors)
 
 
 def _joint(w: TailWeights, inp: PlanInputs, B: torch.Tensor, cfg: WfldConfig, d_need: np.ndarray,

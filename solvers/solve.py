@@ -324,14 +324,16 @@ def check_feasible(plan: "SolvePlan", sel: Selection, prob: "Problem"):
         [e.phrase for e in sel.train], np.asarray([e.p_base for e in sel.train]), prob.terms, prob.background,
         prob.anchors, words, len(sel.turn_ends), plan.cfg.target_residual, kl_budget(plan),
         [e.doc_sha256 for e in sel.train],
-        [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_base": e.p_base} for e in sel.dev]), plan.cfg.wfld)
+        [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_base": e.p_base} for e in sel.dev]), plan.cfg.wfld,
+        soft_anchors=plan.cfg.method == "ftpo")
 
 
 def describe_feasibility(fp) -> list[str]:
     """One line per phrase that cannot reach its target, plus the anchors' use of f."""
     from l47.solvers.plan import BINDING_EVENTS
 
-    out = [f"plan: anchors rank {fp.anchor_rank} of f = {fp.f} ({fp.turn_ends} turn ends), null space {fp.null_dim}; "
+    out = [f"plan: anchors rank {fp.anchor_rank} of f = {fp.f} ({fp.turn_ends} turn ends), null space {fp.null_dim}"
+           f"{' (soft anchors: the bound is without their span)' if fp.anchors_soft else ''}; "
            f"target residual {fp.target:g}, KL budget {fp.kl_budget:.3g}"]
     for p in fp.short:
         if p.binding == BINDING_EVENTS:

@@ -93,3 +93,27 @@ def test_plan_cli_prints_and_writes_the_intervals(planned, world, tmp_path):
             shown = f"[{iv[0]:.3f}, {iv[1]:.3f}]" if iv is not None else f"({b['n_docs']} doc)"
             assert f"{b['value']:.3f} {shown}" in r.output
     assert f"{planned['fp'].phrases[2].p_base_train['value']:.3f} (1 doc)" in r.output
+
+
+def test_plan_with_soft_anchors_is_the_bound_without_their_span(planned, world):
+    """FTPO's anchors are penalties: its plan (`soft_anchors`) must equal the plan of the same selection with no
+    anchors at all (every reachable figure and binding; rel 1e-9: the same f64 algebra on the same rows), while it
+    still reports the anchors' rank. WFLD's plan (exact anchors) of the same selection differs where they bind."""
+    import dataclasses
+
+    from l47.solvers.solve import SolveArgs, _prepare, check_feasible
+
+    plan, _, sel, _, prob = _prepare(SolveArgs(experiment=planned["exp"], method="ftpo",
+                                               out=Path("/nonexistent/plan-only.gguf"), model=world["base"]),
+                                     lambda _m: None)
+    soft = check_feasible(plan, sel, prob)
+    wfld = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, method="wfld"))
+    bare = check_feasible(wfld, sel, dataclasses.replace(prob, anchors=None))
+    exact = check_feasible(wfld, sel, prob)
+    assert soft.anchors_soft and not exact.anchors_soft and soft.anchor_rank == exact.anchor_rank > 0
+    assert soft.null_dim == exact.null_dim == soft.f - soft.anchor_rank
+    for s, b in zip(soft.phrases, bare.phrases):
+        assert s.phrase == b.phrase and s.binding == b.binding and s.blocked_events == 0
+        assert s.reachable_gap == pytest.approx(b.reachable_gap, rel=1e-9, abs=1e-12)
+    assert soft.joint_exact_kl == pytest.approx(bare.joint_exact_kl, rel=1e-9)
+    assert [p.reachable_gap for p in exact.phrases] != [p.reachable_gap for p in soft.phrases]

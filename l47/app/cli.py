@@ -361,18 +361,20 @@ def plan(
     model: Optional[Path] = typer.Option(None, "--model"),
     sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the plan as JSON here (- : to stdout)"),
+    method: Optional[str] = typer.Option(None, help="wfld | ftpo: the bound of this solver, ftpo's anchors soft, "
+                                         "wfld's exact (default: [solver] method, else ftpo)"),
     device: str = typer.Option("cpu"),
     force: bool = _force_opt(),
 ):
     """Feasibility before solving: per phrase events, base p, needed vs reachable log-odds within the KL budget,
-    share inside the protected span, binding constraint; anchors' rank vs f. Exit 1 if a phrase cannot reach
-    its target."""
+    share inside the protected span, binding constraint; anchors' rank vs f. The bound is the solver's: FTPO's
+    anchors are soft (no span removed), WFLD's exact. Exit 1 if a phrase cannot reach its target."""
     from l47.app.paths import check_plan
     from l47.app.tables import json_to_stdout
 
     check_plan(experiment, json_out, model, sets_json, force)
     with json_to_stdout(json_out, console) as target:
-        short = _plan(experiment, model, sets_json, target, device)
+        short = _plan(experiment, model, sets_json, target, device, method)
     raise typer.Exit(1 if short else 0)
 
 
@@ -385,15 +387,16 @@ def _p_interval(b: dict | None) -> str:
     return f"{b['value']:.3f} " + (f"[{iv[0]:.3f}, {iv[1]:.3f}]" if iv is not None else f"({b['n_docs']} doc)")
 
 
-def _plan(experiment, model, sets_json, json_out, device) -> bool:
+def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
     import json
 
     from l47.fileio import write_text_atomic
     from l47.solvers.solve import SolveArgs, run_plan
 
-    fp, choice = run_plan(SolveArgs(experiment, "wfld", Path("/nonexistent/plan-only.gguf"), model, False, device,
+    fp, choice = run_plan(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model, False, device,
                                     None, sets_json), log=lambda m: console.print(m, highlight=False))
-    t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats")
+    bound = "soft anchors (ftpo)" if fp.anchors_soft else "exact anchors (wfld)"  # the experiment's method
+    t = Table(title=f"plan, {bound}: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats")
     for c in ("phrase", "train", "dev", "heldout", "base p", "train p [90%]", "dev p [90%]", "needed", "reachable",
               "resid.", "in span", "binding"):
         t.add_column(c, justify="left" if c in ("phrase", "binding") else "right")
