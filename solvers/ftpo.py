@@ -184,8 +184,9 @@ class FtpoResult:
 
 def needed_drop(p0: np.ndarray, ratio: float) -> np.ndarray:
     """d = logit(p⁰) − logit(ratio·p⁰) [E] (nats, f64): the log-odds drop that takes p⁰ to ratio·p⁰. 1 − p⁰ is
-    floored at 1e-6 (the f32 logits resolve p⁰ no closer to 1)."""
-    p0 = np.asarray(p0, dtype=np.float64)
+    floored at 1e-6 (the f32 logits resolve p⁰ no closer to 1; a p⁰ that f32 rounds to ≥ 1 asks the same). The
+    feasibility plan's `needed_gap` is this function."""
+    p0 = np.clip(np.asarray(p0, dtype=np.float64), 1e-12, 1.0)
     q = ratio * p0
     return np.log(p0) - np.log(np.maximum(1.0 - p0, 1e-6)) - np.log(q) + np.log1p(-q)
 

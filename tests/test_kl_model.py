@@ -123,6 +123,13 @@ def test_needed_gap_reaches_the_target_residual():
         z2[0] -= d
         assert abs(float(torch.softmax(z2, 0)[0]) - tau * p) < 1e-12
         assert abs(residual_after(p, d) - tau) < 1e-12
+    import math
+
+    # p at or above 1 (an f32 rounding of a near-certain token) asks what 1 − 1e-6 asks, the logits' resolution:
+    # log(0.8 / (0.2 · 1e-6)) for τ = 0.2, to the f64 rounding of p itself
+    ref = math.log(0.8 / (0.2 * 1e-6))
+    for p in (1 - 1e-6, 1.0, 1 + 4.8e-6):
+        assert float(needed_gap(np.array([p]), 0.2)[0]) == pytest.approx(ref, rel=1e-6)
 
 
 @pytest.mark.parametrize("key,value", [("target_residual", 0.0), ("target_residual", 1.5),
