@@ -396,7 +396,7 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
     fp, choice = run_plan(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model, False, device,
                                     None, sets_json), log=lambda m: console.print(m, highlight=False))
     bound = "soft anchors (ftpo)" if fp.anchors_soft else "exact anchors (wfld)"  # the experiment's method
-    t = Table(title=f"plan, {bound}: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats")
+    t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats; {bound}")
     for c in ("phrase", "train", "dev", "heldout", "base p", "train p [90%]", "dev p [90%]", "needed", "reachable",
               "resid.", "in span", "binding"):
         t.add_column(c, justify="left" if c in ("phrase", "binding") else "right")
