@@ -109,7 +109,9 @@ CHAT_TOKENS = 160  # new tokens per held-out / blind chat
 BLIND_TRIES = 6  # fresh seeds tried for a blind chat that holds a slop event and was never scored
 BLIND_CHATS = 8  # fresh blind chats per sign-off (the blind set; k runs on over the held-back prompts): a chat
 # holds three turn ends and one or two slop events, so one chat's (f) mean and residual are a draw — measured over
-# 20 fresh chats of the demo (docs/BENCHMARKS.md "blind set"): one chat passes 60 % of its sign-offs, eight pooled 99 %
+# 20 fresh chats of the demo (docs/BENCHMARKS.md "blind set"): one chat passes 60 % of its sign-offs, eight pooled 99 %;
+# 24 more (2026-12-06, "Blind chats, one at a time"): 17 of 24 single sign-offs pass, and one chat in 24 flips a
+# 0.008–0.014-nat tie (" It" vs <|im_end|>) with either FTPO rule: ~29 % of eight-chat sets fail on (f) by the draw
 
 
 def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=None,
