@@ -97,7 +97,7 @@ def needed_gap(p: np.ndarray, target: float) -> np.ndarray:
     """d = log(p(1 − p′)/(p′(1 − p))), p′ = target·p: the log-odds drop that takes p to p′ when every other token
     keeps its share of the rest. f64. The solver's own `needed_drop` (one definition, 1 − p floored at the f32
     logits' resolution 1e-6): clipped at 1 − 1e-12 here before, a train event whose p f32 rounds to ≥ 1 asked 27.6
-    nats, and model2's "above and beyond" (mean need 14.1 nats, reachable 14.6) read as unreachable at 16.9."""
+    nats, and model2's "above and beyond" (mean need 14.1 nats, reachable 15.1) read as unreachable at 16.9."""
     from l47.solvers.ftpo import needed_drop
 
     return needed_drop(p, target)
