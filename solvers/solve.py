@@ -588,8 +588,8 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
 
 
 def soft_anchors(plan: SolvePlan, every: Selection, sel: Selection, prob: Problem, log) -> tuple[Selection, Problem]:
-    """FTPO's anchors are soft and use no direction of f: it keeps every collateral anchor (the plan is WFLD's
-    exact-anchor bound). WFLD: the thinned selection as it is."""
+    """FTPO's anchors are soft and use no direction of f: it keeps every collateral anchor (its plan, made on the
+    thinned selection, bounds it without their span). WFLD: the thinned selection as it is."""
     if plan.cfg.method != "ftpo" or len(every.anchors) <= len(sel.anchors):
         return sel, prob
     log(f"ftpo: every collateral anchor kept as a soft anchor ({len(every.anchors)})")
