@@ -353,7 +353,8 @@ def pulling(ratio: np.ndarray, phrase: list[str], at: dict[str, float], target: 
     A phrase's mean reaches the target while a context of its own stays whole; when the phrase stopped pulling as
     a whole, model2's "The seller went above and" (9 of 123 train events, p⁰ ≈ 1) stayed at p/p⁰ = 1.000, held
     28 % of the held-out events and left the phrase at 0.33–0.37 held out; pulling per event, 0.06–0.12 at
-    nine seeds, every bar passing (docs/BENCHMARKS.md, "Every context pulls")."""
+    nine seeds, every bar passing (docs/BENCHMARKS.md, "Every context pulls"); of 13 later model2 seeds one
+    diverged (the KL left the budget and λ only doubles: "The per-event rule on the landed code")."""
     return np.array([at[p] > target or r > target for p, r in zip(phrase, np.asarray(ratio))], dtype=bool)
 
 
