@@ -45,7 +45,12 @@ Each step uses a rotating subset of the background (`background_batch` positions
 candidate ΔW is re-quantised (when a `shipped` map is given, as it ships) and measured EXACTLY: mean KL over the
 whole background, train and dev residual per phrase. λ doubles whenever the exact KL exceeds the budget (it is
 never lowered: a budget far from binding is no licence to spend it; the KLD domains and the held-out chat are
-not in the background, and on the second model they moved 100–300× more than it). Kept:
+not in the background, and on the second model they moved 100–300× more than it). When `recover_after`
+evaluations in a row are over the budget, λ has not brought the KL back: the step is too long for the valley the
+edit is in, so the parameter returns to the kept candidate with fresh Adam moments and half the step (λ as it
+stands; the record's history holds each restart). Without it one model2 seed of 13 left the budget at step ~240,
+λ climbed to 1e6 and the edit collapsed; its kept candidate failed bar (d) (docs/BENCHMARKS.md, "Recovering from
+a KL blow-up"). Kept:
 the candidate within the budget with the most removal (mean over phrases of log max(residual, t), the residual
 as `at_target_residuals` reads it: the larger of dev and train, the rule that stops the solve and that the record's convergence
 reports — a key on dev alone kept candidates whose train residual was still above t after a "converged" stop); among
@@ -120,6 +125,8 @@ class FtpoConfig:
     end_lead_tol: float = 0.0  # nats by which a runner-up word may gain on <|im_end|> on average over the turn ends
     # (real and plausible) where it is the base runner-up, at a cost of λ_coll (_EndLeads; 0: off)
     eval_every: int = 10
+    recover_after: int = 3  # after this many evaluations in a row over the KL budget, restart from the kept
+    # candidate with fresh Adam moments and half the step (λ as it stands); 0: off (λ alone)
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
     seed: int = 0
 
@@ -354,7 +361,8 @@ def pulling(ratio: np.ndarray, phrase: list[str], at: dict[str, float], target: 
     a whole, model2's "The seller went above and" (9 of 123 train events, p⁰ ≈ 1) stayed at p/p⁰ = 1.000, held
     28 % of the held-out events and left the phrase at 0.33–0.37 held out; pulling per event, 0.06–0.12 at
     nine seeds, every bar passing (docs/BENCHMARKS.md, "Every context pulls"); of 13 later model2 seeds one
-    diverged (the KL left the budget and λ only doubles: "The per-event rule on the landed code")."""
+    diverged (the KL left the budget and λ only doubles: "The per-event rule on the landed code"), which
+    `recover_after` mends ("Recovering from a KL blow-up")."""
     return np.array([at[p] > target or r > target for p, r in zip(phrase, np.asarray(ratio))], dtype=bool)
 
 
@@ -802,8 +810,15 @@ class _Adam:
     def __init__(self, param: torch.Tensor, cfg: FtpoConfig, W_rms: float, n_bg: int):
         self.param, self.cfg, self.W_rms = param, cfg, W_rms
         self.mom, self.vv = torch.zeros_like(param), torch.zeros_like(param)
-        self.k = 0
+        self.k, self.scale = 0, 1.0
         self._bg_rows = _Rotation(n_bg, cfg.background_batch, cfg.seed, param.device)
+
+    def restart(self, value: torch.Tensor) -> None:
+        """Back to `value` with fresh moments (and warm-up) and half the step."""
+        with torch.no_grad():
+            self.param.copy_(value)
+        self.mom.zero_(), self.vv.zero_()
+        self.k, self.scale = 0, self.scale * 0.5
 
     def run(self, n: int, loss_of) -> list[dict]:
         """n steps; loss_of(rows) -> (loss, parts). Returns the parts of each step."""
@@ -818,7 +833,7 @@ class _Adam:
                 self.vv.mul_(0.999).addcmul_(g, g, value=0.001)
                 v_hat = self.vv / (1 - 0.999 ** self.k)
                 floor = float(v_hat.double().mean().sqrt()) * cfg.floor
-                lr = cfg.lr * self.W_rms * min(1.0, self.k / max(cfg.warmup, 1))
+                lr = cfg.lr * self.scale * self.W_rms * min(1.0, self.k / max(cfg.warmup, 1))
                 u = (self.mom / (1 - 0.9 ** self.k)) / (v_hat.sqrt() + floor + 1e-30)
                 self.param.sub_(lr * u / max(1.0, float(u.double().pow(2).mean().sqrt())))  # update clipping
             out.append(parts)
@@ -842,6 +857,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
     judge = _Judge(w, pb, obj)
     opt = _Adam(param, cfg, float(w.W_sd.pow(2).mean().sqrt()), pb.background.P)
     lam, history, stopped, step = cfg.lambda_kl, [], rec.STOP_ITERATION_CAP, 0
+    over, kept, restarts = 0, None, []  # evaluations in a row over the KL budget; the kept candidate's parameter
     while True:
         info = judge(step, dW_of(param.detach()), lam)
         reached = info.pop("reached")
@@ -857,7 +873,17 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             stopped = rec.STOP_TIME
             break
         if info["kl_exact"] > pb.kl_budget:  # the dev rows' KL and flips only judge candidates (never trained on)
-            lam = min(lam * 2.0, 1e6)
+            lam, over = min(lam * 2.0, 1e6), over + 1
+        else:
+            over = 0
+        if judge.best is not None and judge.best[1] == step:
+            kept = param.detach().clone()
+        if cfg.recover_after > 0 and over >= cfg.recover_after and kept is not None:
+            opt.restart(kept)  # λ alone did not bring the KL back: the step is too long for the valley
+            over = 0
+            history.append({"step": step, "restart_from": judge.best[1], "lr_scale": opt.scale})
+            restarts.append(f"FTPO: exact KL over the budget {cfg.recover_after} evaluations in a row at step "
+                             f"{step}: restarted from the kept candidate (step {judge.best[1]}), step × {opt.scale:g}")
         if info["dev_flips"] or sum(info["turn_ends_lost"].values()):  # the near-tie guard stiffens
             obj.lam_flip = min(obj.lam_flip * 2.0, 1e6)
         judged = at_target_residuals(info["train_residual"], info["dev_residual"])
@@ -868,7 +894,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         parts = opt.run(n, loss_of)
         step += n
         history.append({"step": step, **parts[-1]})
-    return dataclasses.replace(_result(judge, history, stopped, step, pb, w), info=pnotes + obj.notes)
+    return dataclasses.replace(_result(judge, history, stopped, step, pb, w), info=pnotes + obj.notes + restarts)
 
 
 def _parameterise(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: torch.Tensor):

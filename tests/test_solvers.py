@@ -183,6 +183,28 @@ def test_ftpo_events_pull_until_their_own_residual_is_at_target():
     assert pulling(np.array([0.2, 0.2]), ["a", "a"], {"a": 0.2}, t).tolist() == [False, False]
 
 
+def test_ftpo_restart_returns_to_the_kept_value_with_half_the_first_step():
+    """`_Adam.restart`: back to the given value, moments cleared, the step halved. Reference: Adam's first step
+    in closed form — m̂ = g, v̂ = g², so u = sign(g) (floor 0), RMS(u) = 1 — of size lr·RMS(W)·(1/warmup)."""
+    from l47.solvers.ftpo import _Adam
+
+    cfg = FtpoConfig(lr=0.2, warmup=4, floor=0.0)
+    target = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.0, -1.5]])
+    loss_of = lambda rows, p=None: ((opt.param - target).pow(2).sum(), {})  # noqa: E731
+    opt = _Adam(torch.zeros(2, 3, requires_grad=True), cfg, W_rms=0.5, n_bg=8)
+    opt.run(7, loss_of)  # somewhere else, with moments built up
+    kept = torch.tensor([[0.2, 0.1, -0.3], [0.0, 0.4, 0.9]])
+    opt.restart(kept)
+    assert torch.equal(opt.param.detach(), kept)
+    opt.run(1, loss_of)
+    step = 0.5 * 0.2 * 0.5 * (1 / 4)  # scale · lr · RMS(W) · warm-up
+    expected = kept - step * torch.sign(2 * (kept - target))
+    np.testing.assert_allclose(opt.param.detach().numpy(), expected.numpy(), rtol=0, atol=1e-7)
+    opt.restart(kept)  # halved again
+    opt.run(1, loss_of)
+    np.testing.assert_allclose((kept - opt.param.detach()).abs().numpy(), np.full((2, 3), step / 2), atol=1e-7)
+
+
 def test_key_basis_spans_the_phrase_keys_relative_to_the_background(setup):
     """Q is orthonormal; with k = the phrase's event count, span(Q) = span(B⁻¹ h_e) (the generalized
     eigenvectors of (C, B) with non-zero eigenvalue), re-derived by projecting B⁻¹ hᵀ; with k = 1 the kept

@@ -142,6 +142,7 @@ FTPO_MEANINGS = {
     "end_odds_tol": "nats of Δ log-odds of <|im_end|> against its base top-K rivals that cost λ_coll at the real and plausible turn ends, beside their Δlog p (holds its lead where p ≈ 1; 0: off, the default: measured on model2 it cost most of the removal, docs/SOLVERS.md)",
     "end_lead_tol": "nats by which a runner-up word may gain on <|im_end|> on average over the turn ends (real and plausible) where it is the base runner-up, at a cost of λ_coll (0: off, the default: on model2 it held the turn end a drifting word took, not a 0.004-nat tie, docs/SOLVERS.md)",
     "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
+    "recover_after": "after this many exact evaluations in a row over the KL budget, restart from the kept candidate with fresh Adam moments and half the step (0: off, λ alone; measured in docs/BENCHMARKS.md)",
     "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
     "seed": "training seed",
 }
