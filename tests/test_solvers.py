@@ -205,6 +205,26 @@ def test_ftpo_restart_returns_to_the_kept_value_with_half_the_first_step():
     np.testing.assert_allclose((kept - opt.param.detach()).abs().numpy(), np.full((2, 3), step / 2), atol=1e-7)
 
 
+def test_ftpo_restarts_every_recover_after_evaluations_over_the_budget(setup):
+    """With a KL budget no edit meets (1e-12 nats), every evaluation after step 0 is over it: the trainer goes back
+    to the kept candidate (step 0, ΔW = 0: the only one within the budget) after every third, halving the step
+    each time, records each restart, and returns ΔW = 0. With recover_after = 0 (λ alone) it never restarts."""
+    from l47.solvers.ftpo import FtpoConfig, FtpoProblem, train_ftpo
+
+    w, ev, terms, bg = setup["w"], setup["ev"], setup["terms"], setup["bg"]
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5,
+                     kl_budget=1e-12)
+    res = train_ftpo(w, pb, FtpoConfig(steps=100, eval_every=10, lr=0.3))
+    kls = [h["kl_exact"] for h in res.history if "kl_exact" in h]
+    assert kls[0] == 0.0 and min(kls[1:]) > 1e-12  # the premise: over the budget at every evaluation but step 0
+    restarts = [(h["step"], h["restart_from"], h["lr_scale"]) for h in res.history if "restart_from" in h]
+    assert restarts == [(30, 0, 0.5), (60, 0, 0.25), (90, 0, 0.125)]
+    assert res.best_step == 0 and float(res.dW.abs().max()) == 0.0
+    assert sum("restarted from the kept candidate" in i for i in res.info) == 3
+    off = train_ftpo(w, pb, FtpoConfig(steps=100, eval_every=10, lr=0.3, recover_after=0))
+    assert not [h for h in off.history if "restart_from" in h]
+
+
 def test_key_basis_spans_the_phrase_keys_relative_to_the_background(setup):
     """Q is orthonormal; with k = the phrase's event count, span(Q) = span(B⁻¹ h_e) (the generalized
     eigenvectors of (C, B) with non-zero eigenvalue), re-derived by projecting B⁻¹ hᵀ; with k = 1 the kept
