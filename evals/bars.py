@@ -610,7 +610,7 @@ def _blind_resid_abs(ev: Evidence) -> Measure:
 
 # thresholds whose change in this direction makes a bar easier: "lower" (a minimum lowered) or "higher"
 WEAKENING = {
-    "min_heldout_per_phrase": "lower", "collateral_min_total": "lower", "collateral_min_per_word": "lower",
+    "min_heldout_per_phrase": "lower", "min_train_per_phrase": "lower", "collateral_min_total": "lower", "collateral_min_per_word": "lower",
     "heldout_frac": "lower", "slop_reduction": "lower", "collateral_word_mean": "lower",
     "chat_ordinary_dlogp": "lower", "im_end_dlogp": "lower",
     "collateral_frac_below": "higher", "kld_max": "higher", "chat_kld": "higher", "special_rise_tol": "higher",

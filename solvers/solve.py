@@ -218,10 +218,27 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
     built = not args.sets_json
     report = (build_sets(exp, w, device=args.device, ledger=ledger, command="solve") if built
               else load_sets_report(args.sets_json))
+    refuse_thin(exp, report)
     ledger.append([d.sha256 for d in report.docs if d.set in SOLVER_SETS and not d.refused and d.sha256],
                   w.model_sha256, "solve")
     return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w, args.allow_other_model),
                      ledger)
+
+
+def refuse_thin(exp, report) -> None:
+    """Thin phrases (l47.data.thin) refused before any long work: one line naming each, its counts per split and
+    the documents to add."""
+    from l47.data.thin import thin_phrases
+
+    th = exp.thresholds
+    thin = thin_phrases([p["phrase"] for p in report.phrases], report.events, report.docs, th.min_train_per_phrase,
+                        th.min_heldout_per_phrase)
+    if thin:
+        none = all(not t.counts.get("train") for t in thin) and len(thin) == len(report.phrases)
+        raise L47Error(exp.path, f"phrases ({len(thin)} thin)",
+                       f"≥ {th.min_train_per_phrase} train events and ≥ {th.min_heldout_per_phrase} held-out events "
+                       f"per phrase (thresholds min_train_per_phrase, min_heldout_per_phrase)",
+                       ("none for any phrase: " if none else "") + "; ".join(t.line() for t in thin))
 
 
 # ----------------------------------------------------------------------------------------------------------

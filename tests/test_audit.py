@@ -301,7 +301,7 @@ def _experiment_toml(root: Path, paths: dict[str, Path], extra_sets: dict | None
     lines += ["", "[sets.kld]"] + [f"{s[4:]} = {json.dumps(v)}" for s, v in sets.items() if s.startswith("kld.")]
     for p in PHRASES:
         lines += ["", "[[phrases]]", f'text = "{p}"']
-    lines += ["", "[thresholds]", "min_heldout_per_phrase = 1", "collateral_min_total = 5",
+    lines += ["", "[thresholds]", "min_heldout_per_phrase = 1", "min_train_per_phrase = 1", "collateral_min_total = 5",
               "collateral_min_per_word = 1"]
     path = root / name
     path.write_text("\n".join(lines) + "\n")

@@ -51,6 +51,7 @@ THRESHOLD_MEANINGS = {
     "non_event_p": "base p(final token) below this: a non-event, reported apart",
     "heldout_frac": "share of events held out, by document",
     "min_heldout_per_phrase": "(c) held-out events per phrase: a bar (lowering it marks the report weakened)",
+    "min_train_per_phrase": "train events per phrase below which plan and solve refuse (a thin phrase is named)",
     "collateral_min_total": "collateral occurrences needed in collateral_eval",
     "collateral_min_per_word": "... and per word",
     "slop_reduction": "(c) held-out mean p(rejected) reduced by at least this",
