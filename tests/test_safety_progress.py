@@ -100,4 +100,5 @@ def test_head_precision_is_per_run_not_per_process(world, tmp_path):
     r = CliRunner().invoke(app, ["audit", str(world["bundle"]), "--base", str(world["base"]), "--experiment",
                                  str(world["root"] / "det.toml"), "--out", str(tmp_path / "bad"), "--no-plots",
                                  "--precision", "fp8"])
-    assert r.exit_code == 2 and "--precision: precision: expected f32, split-fp16 or split-bf16, found 'fp8'" in r.output
+    assert r.exit_code == 2
+    assert "--precision: precision: expected f32, split-fp16 or split-bf16, found 'fp8'" in r.output

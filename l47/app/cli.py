@@ -267,7 +267,8 @@ def dump(
     """Run an engine over documents -> dump files, with the zero-proxy check per document.\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
+    from l47.app.dump_view import dump_and_print
+    from l47.app.dumping import DumpJob, GenerateOptions
     from l47.engine.hf import parse_placement
 
     placement = parse_placement(device_map, max_memory, offload_dir)
@@ -282,7 +283,7 @@ def dump(
     job = DumpJob(model, inputs, out, engine=engine, layer=layer, generate=gen, ref_logits=ref_logits,
                   tolerance=tolerance, policy=policy, device=device, engine_bin=engine_bin, placement=placement,
                   batch=batch)
-    raise typer.Exit(run_dump(job, console).exit_code)
+    raise typer.Exit(dump_and_print(job, console).exit_code)
 
 
 @app.command()
