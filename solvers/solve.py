@@ -59,6 +59,7 @@ class SolveArgs:
     sets_json: Path | None = None  # reuse a `l47 sets --json` report instead of re-mining
     allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
     sweep: bool = False  # a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)
+    precision: str | None = None  # head GEMM precision (l47.model.weights.head_precision); None: "auto"
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
         raise L47Error(out, "--out", "a new file, never the base model", f"the base {model}")
     cfg = resolve_config(exp.solver, args.method, str(exp.path))
     base_g = open_gguf(model)
-    w = load_tail_weights(base_g, policy=exp.policy, device=args.device)
+    w = load_tail_weights(base_g, policy=exp.policy, device=args.device, precision=args.precision)
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
