@@ -186,3 +186,27 @@ def test_specials_move_anywhere():
         got = [t.id_to_token(i) for i in t.encode(sample, add_special_tokens=False).ids]
         assert got == ref
         assert t.decode(t.encode(sample, add_special_tokens=False).ids, skip_special_tokens=False) == sample
+
+
+def test_bench_marks_a_failed_model_and_goes_on(tmp_path):
+    """bench_efficacy --zoo-seeds: a model whose build fails (its cache folder cannot be made: the root is a file)
+    is marked FAILED with the failing command and its first error line; the run still writes its table, exit 0."""
+    root = tmp_path / "root"
+    root.write_text("not a folder")
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_efficacy.py"), "--models", "", "--methods", "",
+                        "--zoo-seeds", "5,6", "--zoo-root", str(root), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "zoo seeds: 5,6" in r.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["models"]) == {"zoo5", "zoo6"}
+    for s in (5, 6):
+        f = res["models"][f"zoo{s}"]["failed"]
+        assert f["command"].startswith(f"python scripts/make_zoo.py --seed {s} ") and str(root) in f["command"]
+        assert f["error"].split(":")[0] in ("NotADirectoryError", "FileExistsError", "FileNotFoundError"), f
+    md = (out / "results.md").read_text()
+    assert md.count("FAILED") == 2 and "make_zoo.py --seed 5" in md and "make_zoo.py --seed 6" in md
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_efficacy.py"), "--models", "", "--zoo-seeds",
+                          "5,x", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--zoo-seeds" in bad.stderr
