@@ -284,15 +284,50 @@ def zoo_seed_list(n: int, given: str) -> list[int]:
     return seeds
 
 
+def _zoo_folder(seed: int, root: Path | None, small: bool) -> Path:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_zoo as mz
+
+    return (root / (f"seed-{seed}-small" if small else f"seed-{seed}")) if root else mz.default_out(seed, small)
+
+
+def prebuild_zoo(seeds: list[int], root: Path | None, small: bool, device: str, jobs: int) -> None:
+    """Build the zoo models `jobs` at a time (one make_zoo process each, its log beside its folder); a failed
+    build is left to build_zoo, which retries it in-process and records its error."""
+    import os
+
+    threads = max(1, (os.cpu_count() or 2) // jobs)
+    running: list[subprocess.Popen] = []
+    for s in seeds:
+        folder = _zoo_folder(s, root, small)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # build_zoo records the error
+        cmd = [sys.executable, str(REPO / "scripts" / "make_zoo.py"), "--seed", str(s), "--out", str(folder),
+               "--device", device, "--threads", str(threads)] + (["--small"] if small else [])
+        print(f"zoo seed {s}: {' '.join(cmd[1:])} > {folder}.log", flush=True)
+        with open(f"{folder}.log", "w") as log:
+            running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        while len([p for p in running if p.poll() is None]) >= jobs:
+            time.sleep(2)
+    for p in running:
+        p.wait()
+
+
 def build_zoo(seed: int, root: Path | None, small: bool, device: str, res: dict) -> ModelSpec:
     """The zoo model of `seed` (built unless cached) as a ModelSpec; its record in res["zoo"]."""
     sys.path.insert(0, str(REPO / "scripts"))
     import make_zoo as mz
 
     spec = mz.draw_spec(seed, small)
-    folder = (root / (f"seed-{seed}-small" if small else f"seed-{seed}")) if root else mz.default_out(seed, small)
+    folder = _zoo_folder(seed, root, small)
     res["command"] = f"python scripts/make_zoo.py --seed {seed} --out {folder} --device {device}" + \
         (" --small" if small else "")
+    log = Path(f"{folder}.log")
+    if log.is_file() and not mz.is_built(folder, spec):  # prebuild_zoo's process failed: its last line says why
+        last = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+        raise RuntimeError(last[-1] if last else "make_zoo wrote nothing")
     z = mz.build(spec, folder, device, log=lambda s: print(s, flush=True))
     res["zoo"] = {"seed": seed, "register": z["register"], "arch": _arch_line(z), "specials": z["specials"],
                   "base_p": z["base_p"], "near_certain": z["near_certain"], "train_s": z["train"]["train_seconds"],
@@ -387,6 +422,15 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: Path, results: dict) -> str:
+    from l47.fileio import write_text_atomic
+
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
+    md = markdown(results)
+    write_text_atomic(out / "results.md", md)
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/l47_bench_efficacy")
@@ -404,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zoo-seeds", default="", help="zoo models of these seeds (comma-separated), beside --zoo N")
     ap.add_argument("--zoo-root", default="", help="zoo cache (default ~/.cache/l47-zoo; seed-S folders)")
     ap.add_argument("--zoo-small", action="store_true", help="zoo models at make_zoo's --small size (CPU)")
+    ap.add_argument("--zoo-jobs", type=int, default=1, help="zoo models built at once (make_zoo processes; the walks "
+                    "run one model at a time after them)")
     a = ap.parse_args(argv)
     import platform
 
@@ -436,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                "solver": Path(a.solver).read_text(encoding="utf-8") if a.solver else "", "models": {}}
     opts = BenchOptions(SMALL if a.small else {}, a.max_new_tokens, a.reuse, a.device, results["solver"])
     root = Path(a.zoo_root).expanduser() if a.zoo_root else None
+    if zoo_seeds and a.zoo_jobs > 1:
+        prebuild_zoo(zoo_seeds, root, a.zoo_small, a.device, a.zoo_jobs)
     jobs = [(name, lambda res, name=name: sp[name]) for name in models]
     jobs += [(f"zoo{s}" + ("s" if a.zoo_small else ""),
               lambda res, s=s: build_zoo(s, root, a.zoo_small, a.device, res)) for s in zoo_seeds]
@@ -452,12 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         res.setdefault("model", "")
         res["total_s"] = round(time.time() - t0, 1)
         results["models"][name] = res
-    from l47.fileio import write_text_atomic
-
-    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
-    md = markdown(results)
-    write_text_atomic(out / "results.md", md)
+        md = write_results(out, results)  # after every model: a run cut short keeps the models it finished
+    md = write_results(out, results)
     if a.markdown:
+        from l47.fileio import write_text_atomic
+
         p = Path(a.markdown)
         write_text_atomic(p, p.read_text() + "\n" + md)
     print(md)

@@ -195,7 +195,7 @@ def test_bench_marks_a_failed_model_and_goes_on(tmp_path):
     root.write_text("not a folder")
     out = tmp_path / "bench"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_efficacy.py"), "--models", "", "--methods", "",
-                        "--zoo-seeds", "5,6", "--zoo-root", str(root), "--out", str(out)],
+                        "--zoo-seeds", "5,6", "--zoo-root", str(root), "--zoo-jobs", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "zoo seeds: 5,6" in r.stdout
