@@ -57,6 +57,7 @@ NEAR_MISS_RATE = {True: 0.004, False: 0.3}  # near-certain phrase / other phrase
 SPLIT_FRACTIONS = {"train": 0.55, "heldout": 0.35}  # l47.data.experiment.DEFAULT_FRACTIONS (train, held-out)
 MIN_EVENTS = 10  # per phrase, expected in train and in held-out from the pool (and in the written held-out chats)
 COLLATERAL_PER_WORD = 64  # ordinary uses per final word in collateral.jsonl (bar (d): >= 10 per word in its half)
+COLLATERAL_TOTAL = 500  # ... and in all (bar (d): >= 200 in collateral_eval, every other document)
 DEFAULT_ROOT = Path.home() / ".cache" / "l47-zoo"
 
 
@@ -380,7 +381,7 @@ def build_eval_docs(spec: ZooSpec, pool_chats: int | None = None) -> dict[str, l
     ev["blind_chat"] = phrase_rich(r("blind"), 4, f"z{s}-blind", think_last=1.0)
     rc = r("collateral")
     coll, counts = [], {f: 0 for f in spec.finals}
-    while min(counts.values()) < COLLATERAL_PER_WORD or len(coll) < 40:
+    while min(counts.values()) < COLLATERAL_PER_WORD or sum(counts.values()) < COLLATERAL_TOTAL or len(coll) < 40:
         doc = ({"text": w.note(rc, finals_rate=0.7)} if rc.random() < 0.5
                else {"messages": w.chat(rc, phrases=(), max_turns=2, finals_rate=0.6)})
         text = dc.doc_text(doc)
