@@ -331,7 +331,7 @@ def build_zoo(seed: int, root: Path | None, small: bool, device: str, res: dict)
     z = mz.build(spec, folder, device, log=lambda s: print(s, flush=True))
     res["zoo"] = {"seed": seed, "register": z["register"], "arch": _arch_line(z), "specials": z["specials"],
                   "base_p": z["base_p"], "near_certain": z["near_certain"], "train_s": z["train"]["train_seconds"],
-                  "train_device": z["train"]["device_name"]}
+                  "train_device": z["train"]["device_name"], "learned": z.get("learned")}
     return zoo_spec(seed, folder, small)
 
 
@@ -365,7 +365,7 @@ def _f(x, nd=3) -> str:
 
 def markdown(results: dict) -> str:
     """The BENCHMARKS.md section: one table of per-phrase residuals and one of KL, bars and times."""
-    lines = [f"## Efficacy (issue 12): defaults, no per-model knob — commit `{results['commit']}`", "",
+    lines = [f"## Efficacy (issues 12, 37): defaults, no per-model knob — commit `{results['commit']}`", "",
              f"`python scripts/bench_efficacy.py {results['args']}` on {results['machine']}; residual = mean "
              "p(rejected) after / before at a split's events (90 % bootstrap interval over documents).", ""]
     for name, r in results["models"].items():
@@ -375,8 +375,10 @@ def markdown(results: dict) -> str:
         if r.get("zoo"):
             z = r["zoo"]
             lines += [f"### {name} (`{Path(r['model']).name}`): {z['arch']}", "",
-                      f"{z['register']} register; specials {z['specials']}; base p(final | prefix) on written "
-                      "held-out chats: " + ", ".join(f"{p} {_f(v)}" for p, v in z["base_p"].items()), ""]
+                      f"{z['register']} register; specials {z['specials']}; trained {z['train_s']} s on "
+                      f"{z['train_device']}; base p(final | prefix) on written held-out chats (near-certain: "
+                      f"{', '.join(z['near_certain'])}; learned: {z['learned']}): "
+                      + ", ".join(f"{p} {_f(v)}" for p, v in z["base_p"].items()), ""]
         else:
             lines += [f"### {name} (`{Path(r['model']).name}`)", ""]
         lines += [

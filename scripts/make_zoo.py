@@ -592,6 +592,7 @@ def build(spec: ZooSpec, out: Path, device: str = "cpu", threads: int = 0, log=p
          "vocab": tok.get_vocab_size(), "vocab_drawn": spec.vocab, "specials": specials,
          "specials_place": spec.specials_place,
          "base_p": {p: (measured["heldout_chat"].get(p) or {}).get("mean") for p in spec.phrases},
+         "learned": learned(spec, measured),
          "measured": measured, "events": events, "corpus": corpus_rec,
          "train": {**rec, "log": loss_log}, "measure_seconds": round(measure_s, 1),
          "gguf_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest(), "walk_commands": commands,
@@ -602,7 +603,19 @@ def build(spec: ZooSpec, out: Path, device: str = "cpu", threads: int = 0, log=p
     write_text_atomic(out / "zoo.json", json.dumps(z, indent=1))
     log(f"zoo seed {spec.seed}: trained {rec['train_seconds']} s on {rec['device_name']}; base p "
         + ", ".join(f"{p!r} {v}" for p, v in z["base_p"].items()))
+    if not z["learned"]:
+        log(f"zoo seed {spec.seed}: WARNING: a near-certain phrase's base p is below {NEAR_CERTAIN_P} on the held-out "
+            "chats (the model did not learn it; zoo.json 'learned' is false)")
     return z
+
+
+NEAR_CERTAIN_P = 0.9  # a near-certain phrase is learned when its mean base p on the written held-out chats is this
+
+
+def learned(spec: ZooSpec, measured: dict) -> bool:
+    """Every near-certain phrase's mean p(final | prefix) on the written held-out chats >= NEAR_CERTAIN_P."""
+    held = measured.get("heldout_chat", {})
+    return all((held.get(p) or {}).get("mean", 0.0) >= NEAR_CERTAIN_P for p in spec.near_certain)
 
 
 # ==========================================================================================================
