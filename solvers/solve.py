@@ -101,7 +101,7 @@ def _sub(cls, d: dict, where: str):
     from l47.data.experiment import config_from_table
 
     ranges = {"p_cap": (0.0, 0.999), "step_sizes": (1e-6, 1.0), "max_removed": (0.0, 1.0), "n_chosen": (1, None),
-              "kl_rows": (1, None), "plausible_end_p": (0.0, 1.0)}
+              "kl_rows": (1, None), "plausible_end_p": (0.0, 1.0), "relax": (0.0, 1.0), "relax_after": (1, None)}
     return config_from_table(cls, d, where, f"solver.{cls.__name__.removesuffix('Config').lower()}", ranges)[0]
 
 
