@@ -513,7 +513,7 @@ def spread_many(args: list[str], flags, takes_value: dict[str, bool], needed: in
 @app.command(cls=_ManyValuesCommand)
 @guarded
 def audit(
-    bundle: Path = typer.Argument(..., help="bundle GGUF (full model or overlay); name it before --blind"),
+    bundle: Path = typer.Argument(..., help="bundle GGUF (full model or overlay)"),
     base: Path = typer.Option(..., "--base", help="the base GGUF"),
     experiment: Path = typer.Option(..., "--experiment", help="experiment TOML"),
     out: Path = typer.Option(Path("audit"), "--out", help="report directory"),
