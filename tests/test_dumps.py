@@ -322,6 +322,116 @@ def test_read_refuses_bf16_truncated_and_foreign_files(tmp_path):
     assert "hh: expected dtype float32, found safetensors dtype BF16" in str(ei.value)
 
 
+def _with_header(raw: bytes, header: bytes) -> bytes:
+    """A dump's bytes with its header replaced (8-byte length + space-padded JSON, its data section kept)."""
+    hlen = int.from_bytes(raw[:8], "little")
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + raw[8 + hlen:]
+
+
+def _refused(path, *must):
+    """read_dump refuses the file in one message naming it and each of `must`; the file is byte-identical."""
+    before = path.read_bytes()
+    with pytest.raises(DumpError) as ei:
+        read_dump(path)
+    msg = str(ei.value)
+    assert str(path) in msg and "\n" not in msg, msg
+    for m in must:
+        assert m in msg, (m, msg)
+    assert path.read_bytes() == before
+    return msg
+
+
+def test_header_refused_before_parsing_when_no_dump_can_have_it(tmp_path, monkeypatch):
+    """A header nested deeper than a dump's (today json.loads would raise RecursionError), a header larger than
+    1 MiB + the data section, one with more structure than a dump's, and metadata JSON nested too deep: each is
+    one DumpError naming the file and the field, and json.loads is never called on the header."""
+    import dumps.schema as S
+
+    raw = write_dump(tmp_path / "d.safetensors", make_arrays(refs=False, logits=False), make_meta()).read_bytes()
+    data = len(raw) - 8 - int.from_bytes(raw[:8], "little")
+    cases = {
+        "deep": (b'{"a":' * 10_000 + b"1" + b"}" * 10_000, ("header", "nested at most 3 deep", "found 10000 deep")),
+        "deep_list": (b"[" * 40_000 + b"]" * 40_000, ("header", "outside JSON strings", "found 80000")),
+        "large": (b'{"x":"' + b"a" * ((1 << 20) + data) + b'"}', ("header", "1 MiB + the", f"{data}-byte data")),
+        "meta_deep": (json.dumps({"__metadata__": {META_KEY: "[" * 50_000}}).encode(),
+                      (f"__metadata__.{META_KEY}", "nested at most 8 deep", "found 50000")),
+    }
+    calls = []
+    real_loads = json.loads
+    monkeypatch.setattr(S.json, "loads", lambda s, *a, **k: calls.append(len(s)) or real_loads(s, *a, **k))
+    for name, (header, must) in cases.items():
+        p = tmp_path / f"{name}.safetensors"
+        p.write_bytes(_with_header(raw, header))
+        calls.clear()
+        _refused(p, *must)
+        assert len(calls) == (1 if name == "meta_deep" else 0), (name, calls)  # meta_deep: its flat header only
+
+
+def test_header_scan_depth_matches_the_parsed_json():
+    """Reference: the nesting depth of the Python object json.loads builds, on 3,000 random valid JSON texts
+    whose strings hold quotes, backslashes and brackets (ASCII-escaped and not): the byte scan's depth must be equal
+    (exact: integers), and the bytes outside strings equal the text's length minus its string literals'."""
+    import random
+
+    from dumps.schema import _string_spans
+
+    rng = random.Random(0)
+
+    def rstr():
+        return "".join(rng.choice('ab"\\[]{}é\n ') for _ in range(rng.randint(0, 8)))
+
+    def robj(d):
+        if d == 0 or rng.random() < 0.3:
+            return rng.choice([rstr(), 1, -2.5e3, None, True])
+        if rng.random() < 0.5:
+            return [robj(d - 1) for _ in range(rng.randint(0, 3))]
+        return {rstr(): robj(d - 1) for _ in range(rng.randint(0, 3))}
+
+    def depth(o):
+        kids = o.values() if isinstance(o, dict) else o if isinstance(o, list) else None
+        return 0 if kids is None else 1 + max((depth(x) for x in kids), default=0)
+
+    def literals(o):  # total length of the string literals json.dumps writes for o (keys and values)
+        if isinstance(o, str):
+            return len(json.dumps(o, ensure_ascii=asc).encode())
+        if isinstance(o, dict):
+            return sum(literals(k) + literals(v) for k, v in o.items())
+        return sum(literals(x) for x in o) if isinstance(o, list) else 0
+
+    for _ in range(3000):
+        o, asc = robj(6), rng.random() < 0.5
+        raw = json.dumps(o, ensure_ascii=asc).encode()
+        b = np.frombuffer(raw, dtype=np.uint8)
+        spans = _string_spans(b)
+        assert b.size - int((spans[:, 1] - spans[:, 0] + 1).sum()) == len(raw) - literals(o)
+        from dumps.schema import json_shape_problem
+
+        d = depth(o)
+        assert json_shape_problem(raw, "h", d) is None
+        if d:
+            assert f"found {d} deep" in json_shape_problem(raw, "h", d - 1)
+
+
+def test_real_headers_are_far_inside_the_caps(tmp_path):
+    """A dump with the longest text a position can carry in practice (a 64-byte token of quotes and backslashes
+    per position, escaped twice in the header) stays under the header caps with room to spare."""
+    from dumps.schema import _HEADER_SLACK, _MAX_STRUCTURE
+
+    t = 64
+    p = write_dump(tmp_path / "long.safetensors", make_arrays(t=t, refs=True, logits=False),
+                   make_meta(text='"\\\n' * 16 * t))
+    raw = p.read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    assert hlen < (len(raw) - 8 - hlen) and hlen < _HEADER_SLACK
+    assert read_dump(p).T == t
+    from dumps.schema import _string_spans
+
+    b = np.frombuffer(raw[8:8 + hlen], dtype=np.uint8)
+    spans = _string_spans(b)
+    assert b.size - int((spans[:, 1] - spans[:, 0] + 1).sum()) < _MAX_STRUCTURE // 50
+
+
 # --- atomic writes --------------------------------------------------------------------------------------
 
 

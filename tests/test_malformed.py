@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -158,6 +159,12 @@ def make_world(root: Path, scratch: Path, tiny_tokenizer_kv) -> dict:
     (root / "docs_bad.jsonl").write_text("{not json\n")
     (root / "report_other.json").write_text(json.dumps({"schema": "something else"}))
     (root / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    # dump headers no l47 dump can have (refused before json parsing): nested 10,000 deep (json.loads would raise
+    # RecursionError) and 2 MiB over a 64-byte data section
+    for name, hb in (("deep_header", b'{"a":' * 10_000 + b"1" + b"}" * 10_000),
+                     ("huge_header", b'{"x":"' + b"a" * (2 << 20) + b'"}')):
+        hb += b" " * (-len(hb) % 8)
+        (root / f"{name}.safetensors").write_bytes(len(hb).to_bytes(8, "little") + hb + bytes(64))
     shutil.rmtree(scratch)
     return dict(root=root, base=base, bundle=bundle, overlay=overlay, w=w, dumps=dumps)
 
@@ -434,16 +441,41 @@ CASES = [
     ("demo_prompts_zero", ["demo", "--out", "{T}/d", "--prompts", "0"], 2, ["--prompts", ">= 1"]),
 ]
 
+# issue 35: a blind set after one --blind, a device map naming an absent device, dump headers no dump can have
+AUDIT = ["audit", "{bundle.gguf}", "--base", "{base.gguf}", "--experiment", "{exp.toml}", "--out", "{T}/a"]
+CASES += [
+    ("audit_blind_three_after_one_flag", AUDIT + ["--blind", "{bg.safetensors}", "{coll.safetensors}",
+                                                  "{pool3.safetensors}", "--dev", "{notes.txt}"], 2, ["notes.txt"]),
+    ("audit_blind_before_bundle", ["audit", "--blind", "{bg.safetensors}", "{bundle.gguf}", "--base", "{base.gguf}",
+                                   "--experiment", "{exp.toml}", "--out", "{T}/a", "--dev", "{notes.txt}"], 2,
+     ["notes.txt"]),
+    ("audit_blind_folder_without_dumps", AUDIT + ["--blind", "{a_folder}", "--dev", "{notes.txt}"], 2,
+     ["a_folder", "--blind", "a folder without any"]),
+    ("dump_device_map_absent", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d", "--device-map",
+                                '{"": "cuda:7"}'], 2, ["--device-map", '"": "cuda:7"', "present on this machine"]),
+    ("dump_device_map_index_absent", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d",
+                                      "--device-map", '{"model.embed_tokens": "cpu", "model.layers": 7}'], 2,
+     ["--device-map", '"model.layers": 7', "present"]),
+    ("dump_device_map_unknown_kind", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d",
+                                      "--device-map", '{"": "tpu:0"}'], 2, ["--device-map", "tpu:0"]),
+    ("dump_max_memory_absent", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d", "--max-memory",
+                                "7=10GiB,cpu=20GiB"], 2, ["--max-memory", "7", "present"]),
+    ("dump_device_map_disk_no_offload", ["dump", "{docs.jsonl}", "--model", "{base.gguf}", "--out", "{T}/d",
+                                         "--device-map", '{"": "disk"}'], 2, ["--device-map", "--offload-dir"]),
+    ("inspect_deep_header", ["inspect", "{deep_header.safetensors}"], 2,
+     ["deep_header.safetensors", "header", "nested at most 3 deep", "found 10000 deep"]),
+    ("inspect_huge_header", ["inspect", "{huge_header.safetensors}"], 2,
+     ["huge_header.safetensors", "header", "1 MiB + the 64-byte data section"]),
+    ("score_deep_header", ["score", "{deep_header.safetensors}", "--model", "{base.gguf}"], 2,
+     ["deep_header.safetensors", "nested at most 3 deep"]),
+]
+
 
 def _argv(argv, world, tmp: Path) -> list[str]:
     root = world["root"]
 
-    def fill(a: str) -> str:
-        out = a.replace("{T}", str(tmp))
-        while "{" in out:
-            i, j = out.index("{"), out.index("}")
-            out = out[:i] + str(root / out[i + 1:j]) + out[j + 1:]
-        return out
+    def fill(a: str) -> str:  # {name}: a world file (JSON such as '{"": "cuda:7"}' is left as it is)
+        return re.sub(r"\{([\w.*/-]+)\}", lambda m: str(root / m.group(1)), a.replace("{T}", str(tmp)))
 
     return [fill(a) for a in argv]
 
@@ -549,3 +581,37 @@ def test_demo_folder_removes_only_its_own_files(tmp_path):
         MANIFEST, "dumps", "dumps/generated", "dumps/generated/p0.safetensors", "my_folder", "my_notes.txt"]
     again.remove(None)  # --fresh: every file it wrote, and its emptied folders; the user's stay
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [MANIFEST, "my_folder", "my_notes.txt"]
+
+
+def test_blind_takes_every_path_after_one_flag(world, tmp_path, monkeypatch):
+    """`--blind a b c` (the shell's expansion of a glob), `--blind a --blind b`, `--blind a BUNDLE` and a folder of
+    dumps: the audit receives exactly these blind documents, in order (captured where the audit checks its
+    paths, before any work)."""
+    import l47.app.paths as paths
+    from l47.errors import L47Error
+
+    root = world["root"]
+    got = []
+
+    def capture(args, force=False, json_out=None):
+        got.append((args.bundle, args.blind))
+        raise L47Error("test", "captured", "-", "-")
+
+    monkeypatch.setattr(paths, "check_audit", capture)
+    d = [root / f"{n}.safetensors" for n in ("bg", "coll", "pool3")]
+    folder = tmp_path / "blind"
+    folder.mkdir()
+    for p in d[:2]:
+        shutil.copy(p, folder / p.name)
+    (folder / "notes.txt").write_text("not a dump\n")
+    tail = ["--base", str(world["base"]), "--experiment", str(root / "exp.toml"), "--out", str(tmp_path / "a")]
+    bundle = str(world["bundle"])
+    for argv, blind in (([bundle, "--blind", *map(str, d), *tail], d),
+                        ([bundle, *tail, "--blind", str(d[0]), "--blind", str(d[1])], d[:2]),
+                        (["--blind", str(d[0]), str(d[1]), bundle, *tail], d[:2]),
+                        ([bundle, "--blind", str(folder), str(d[2]), *tail],
+                         [folder / "bg.safetensors", folder / "coll.safetensors", d[2]])):
+        got.clear()
+        r = CliRunner().invoke(app, ["audit", *argv])
+        assert r.exit_code == 2 and "captured" in r.output, r.output
+        assert got == [(Path(bundle), tuple(blind))], got

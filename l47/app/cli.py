@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.table import Table
 
@@ -463,15 +464,65 @@ def demo(
                                        control=control, ledger=ledger), console))
 
 
-@app.command()
+class _ManyValuesCommand(typer.core.TyperCommand):
+    """A command whose list options in MANY take every value after the flag up to the next option: `--blind a b c`
+    reads as `--blind a --blind b --blind c`, so the shell's expansion of `--blind dumps/blind/*.safetensors`
+    works for any number of files; `--blind a --blind b` still does, and so does a positional argument written
+    after the run (`--blind a BUNDLE`: the run gives its last values back when the command's required arguments
+    would otherwise be missing)."""
+
+    MANY = ("--blind",)
+
+    def parse_args(self, ctx, args):
+        takes_value = {name: not (p.is_flag or p.count) for p in self.params if p.param_type_name == "option"
+                       for name in (*p.opts, *p.secondary_opts)}
+        needed = sum(1 for p in self.params if p.param_type_name == "argument" and p.required)
+        return super().parse_args(ctx, spread_many(list(args), self.MANY, takes_value, needed))
+
+
+def spread_many(args: list[str], flags, takes_value: dict[str, bool], needed: int) -> list[str]:
+    """`--flag a b c` -> `--flag a --flag b --flag c` for each flag in `flags`. A run of values ends at the next
+    option (a word starting with '-', other than '-' itself) or at `--`. When fewer than `needed` positional
+    words are left, the last run's last values are positional again (the flag inserted before each is dropped)."""
+    out: list[str] = []
+    inserted: list[int] = []  # where a flag was inserted into `out`
+    positional, flag, taken, skip = 0, None, 0, False
+    for i, a in enumerate(args):
+        if a == "--":
+            positional += len(args) - i - 1
+            out += args[i:]
+            break
+        if a.startswith("-") and a != "-":
+            name, eq, _ = a.partition("=")
+            flag, taken = (name, 1 if eq else 0) if name in flags else (None, 0)
+            skip = not eq and name not in flags and takes_value.get(name, False)  # its value is the next word
+            out.append(a)
+            continue
+        if flag is not None:
+            if taken:
+                inserted.append(len(out))
+                out.append(flag)
+            taken += 1
+        elif skip:
+            skip = False
+        else:
+            positional += 1
+        out.append(a)
+    for j in reversed(inserted[-max(needed - positional, 0):] if needed > positional else []):
+        del out[j]
+    return out
+
+
+@app.command(cls=_ManyValuesCommand)
 @guarded
 def audit(
     bundle: Path = typer.Argument(..., help="bundle GGUF (full model or overlay)"),
     base: Path = typer.Option(..., "--base", help="the base GGUF"),
     experiment: Path = typer.Option(..., "--experiment", help="experiment TOML"),
     out: Path = typer.Option(Path("audit"), "--out", help="report directory"),
-    blind: list[Path] = typer.Option([], "--blind", metavar="DUMP", help="blind document (dump) for the sign-off; repeat it for a "
-                                     "blind set of several fresh documents (figures pooled over them)"),
+    blind: list[Path] = typer.Option([], "--blind", metavar="DUMP...", help="the blind set for the sign-off: "
+                                     "every dump (or folder of dumps) after --blind up to the next option, e.g. "
+                                     "--blind dumps/blind/*.safetensors; figures pooled over its documents"),
     dev_report: Optional[Path] = typer.Option(None, "--dev", "--dev-report", help="the dev audit's report.json"),
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
@@ -494,12 +545,12 @@ def audit(
     precision = _head_precision(precision)
     from l47.app.audit_view import audit_and_print
     from l47.app.tables import FittedConsole, json_to_stdout
-    from l47.app.paths import check_audit
+    from l47.app.paths import check_audit, expand_dump_paths
     from l47.evals.audit import AuditArgs
     from l47.fileio import write_text_atomic
 
-    args = AuditArgs(bundle, base, experiment, out, tuple(blind), dev_report, ledger, policy, device, record,
-                     tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
+    args = AuditArgs(bundle, base, experiment, out, expand_dump_paths(blind, "--blind"), dev_report, ledger, policy,
+                     device, record, tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
                      allow_other_model=allow_other_model, precision=precision)
     check_audit(args, force, json_out)
     with json_to_stdout(json_out, console) as target:

@@ -547,11 +547,52 @@ class _Report:
             self.progress({"event": event, **fields})
 
 
+def check_placement(placement) -> None:
+    """Every device a --device-map / --max-memory names exists here, before any model is loaded: cpu, disk (with
+    --offload-dir), mps where MPS is available, cuda / cuda:N / N below this machine's CUDA device count. A device
+    that is not present is one L47Error naming the option and the entry (accelerate would fail mid-load)."""
+    if placement is None:
+        return
+    dm = placement.device_map if isinstance(placement.device_map, dict) else {}
+    named = [("--device-map", f"{json.dumps(k)}: {json.dumps(v)}", v) for k, v in dm.items()]
+    named += [("--max-memory", json.dumps(k), k) for k in (placement.max_memory or {})]
+    for opt, entry, dev in named:
+        _check_placed_device(opt, entry, dev, placement.offload_dir)
+
+
+def _present_devices() -> tuple[int, bool]:
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cuda, bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def _check_placed_device(opt: str, entry: str, dev, offload_dir) -> None:
+    """One device of a placement (check_placement)."""
+    if dev == "cpu":
+        return
+    if dev == "disk":
+        if offload_dir is None:
+            raise L47Error("l47 dump", f"{opt} {entry}", "--offload-dir FOLDER for the layers placed on 'disk'",
+                           "no --offload-dir")
+        return
+    n_cuda, mps = _present_devices()
+    m = re.fullmatch(r"cuda(?::(\d+))?", dev) if isinstance(dev, str) else None
+    idx = dev if isinstance(dev, int) and not isinstance(dev, bool) else int(m.group(1) or 0) if m else None
+    if (dev == "mps" and mps) or (idx is not None and 0 <= idx < n_cuda):
+        return
+    have = ", ".join(["cpu", "disk"] + (["mps"] if mps else []) + [f"cuda:{i}" for i in range(n_cuda)])
+    raise L47Error("l47 dump", f"{opt} {entry}", f"a device present on this machine ({have}; {n_cuda} CUDA "
+                   "device(s) found)", json.dumps(dev))
+
+
 def run_dump(job: DumpJob, log: Callable[[str], None] | None = None,
              progress: Callable[[dict], None] | None = None) -> DumpSummary:
-    """Dump every document of `job.inputs` into `job.out_dir`: load engine -> plan documents -> dump each
-    (resumable, errors collected) -> summary. Prints nothing: `log` receives the summary line, `progress` one
-    event per step (`_Report`; l47.app.dump_view.dump_and_print renders both); None = silent."""
+    """Dump every document of `job.inputs` into `job.out_dir`: check the placement's devices -> load engine ->
+    plan documents -> dump each (resumable, errors collected) -> summary. Prints nothing: `log` receives the
+    summary line, `progress` one event per step (`_Report`; l47.app.dump_view.dump_and_print renders both);
+    None = silent."""
+    check_placement(job.placement)
     eng = _load_job_engine(job)
     docset = _plan_documents(job, eng.vocab)
     report = _Report(log, progress)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -376,20 +377,82 @@ def _check_parses(text: str) -> None:
             raise L47Error("l47 init", "--set", "values of the keys' types", str(e)) from None
 
 
-def run_init(args: InitArgs) -> InitResult:
-    """Validate, then write the folder (never over an existing experiment.toml)."""
-    from l47.fileio import write_text_atomic
-
-    folder = Path(args.folder)
-    exp = folder / "experiment.toml"
-    if exp.exists():
-        raise L47Error(exp, "file", "a folder without an experiment.toml (init never overwrites)", "exists")
+def check_folder(folder: Path) -> None:
+    """A new path or an empty folder: init never writes beside a user's files."""
     if folder.exists() and not folder.is_dir():
-        raise L47Error(folder, "folder", "a folder (or a new path)", "a file")
-    if not Path(args.model).is_file():
-        raise L47Error(args.model, "--model", "the base GGUF (l47 export writes one)", "no such file")
-    if not args.phrases or not all(p.strip() for p in args.phrases):
-        raise L47Error("l47 init", "--phrase", "at least one non-blank phrase", repr(list(args.phrases)))
+        raise L47Error(folder, "folder", "a new or empty folder", "a file")
+    if folder.is_dir():
+        held = sorted(p.name for p in folder.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            raise L47Error(folder, "folder", "a new or empty folder (init never writes beside other files)",
+                           f"a folder holding {len(held)} entr{'y' if len(held) == 1 else 'ies'} ({shown})")
+
+
+def check_model(model: Path):
+    """--model: a qwen4exp GGUF (magic, header, general.architecture). Returns the opened GGUF."""
+    from l47.model.gguf_io import open_gguf
+    from l47.model.names import ARCH, KEY_ARCH
+
+    model = Path(model)
+    if not model.is_file():
+        raise L47Error(model, "--model", "the base GGUF file (l47 export writes one)",
+                       "a folder" if model.is_dir() else "no such file")
+    try:
+        g = open_gguf(model)
+    except L47Error as e:
+        raise L47Error(model, f"--model ({e.field})", e.expected, e.found) from None
+    arch = g.kv.get(KEY_ARCH)
+    if arch != ARCH:
+        raise L47Error(model, f"--model (metadata {KEY_ARCH})", repr(ARCH), "missing" if arch is None else repr(arch))
+    return g
+
+
+def _invisible(text: str) -> str | None:
+    """The first character of `text` no reader sees (control, format / zero-width, unassigned, private use,
+    surrogate, line / paragraph separator) as 'U+XXXX NAME', or a note when no character is visible; else None."""
+    import unicodedata
+
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cn", "Co", "Cs", "Zl", "Zp"):
+            return f"U+{ord(ch):04X} {unicodedata.name(ch, 'unnamed')}"
+    if not any(unicodedata.category(ch)[0] in "LMNPS" for ch in text):
+        return "no visible character"
+    return None
+
+
+def _visible(opt: str, text: str) -> None:
+    bad = _invisible(text)
+    if bad:
+        raise L47Error("l47 init", f"{opt} {text!r}", "visible characters (letters, digits, punctuation, spaces; "
+                       "no control or zero-width character)", bad)
+
+
+def check_tokens(args: InitArgs, vocab) -> None:
+    """Each --phrase tokenises into >= 2 tokens of the model's vocabulary (one token has no prefix, so no
+    prefix-exact event can exist), each --word is exactly one token (as `l47 sets` reads it); both visible."""
+    for p in args.phrases:
+        ids = vocab.encode(p.strip())
+        if len(ids) < 2:
+            raise L47Error("l47 init", f"--phrase {p!r}", f"at least 2 tokens of the model's vocabulary "
+                           f"({vocab.name})", f"{len(ids)} token(s) {ids}")
+    for w in args.words:
+        try:
+            vocab.id_of(w)
+        except L47Error:
+            ids = vocab.encode(w)
+            raise L47Error("l47 init", f"--word {w!r}", f"exactly one token of the model's vocabulary ({vocab.name};"
+                           " mind the leading space, e.g. ' than')", f"{len(ids)} tokens {ids}") from None
+
+
+def _check_arguments(args: InitArgs) -> None:
+    """What needs no file: phrases, KLD names, method, --set keys (each once, known to the schema)."""
+    if not args.phrases:
+        raise L47Error("l47 init", "--phrase", "at least one phrase", "none")
+    for p in args.phrases:
+        _visible("--phrase", p)
+    for w in args.words:
+        _visible("--word", w)
     for d in args.kld:
         if not d.replace("_", "").isalnum():
             raise L47Error("l47 init", "--kld", "a domain name of letters, digits and _", repr(d))
@@ -397,14 +460,52 @@ def run_init(args: InitArgs) -> InitResult:
 
     if args.method not in METHODS:
         raise L47Error("l47 init", "--method", f"one of {METHODS}", repr(args.method))
+    keys = [s.partition("=")[0].strip() for s in args.settings]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise L47Error("l47 init", f"--set {k}", "each key once", f"{keys.count(k)} times")
+    parse_settings(args.settings)
+
+
+def _model_vocab(args: InitArgs, g):
+    """The vocabulary the experiment will use: its `vocab` key (--set vocab=..., default auto: the GGUF's own)."""
+    from l47.model.vocab import resolve_vocab
+
+    source = parse_settings(args.settings).get(("", "vocab"), "auto")
+    try:
+        return resolve_vocab(source, g)
+    except L47Error as e:
+        raise L47Error(args.model, f"--model ({e.field})", e.expected, e.found) from None
+
+
+def _write_folder(folder: Path, text: str) -> None:
+    """The folder, complete or not at all: built inside a staging folder beside it, then renamed into place (an
+    empty existing folder is replaced by the rename; an interrupt removes the staging folder)."""
+    from l47.fileio import staging_dir
+
+    with staging_dir(folder) as stage:
+        tree = stage / "experiment"
+        for sub in ("prompts", "texts", "dumps"):
+            (tree / sub).mkdir(parents=True)
+        (tree / "experiment.toml").write_text(text, encoding="utf-8")
+        os.replace(tree, folder)
+
+
+def run_init(args: InitArgs) -> InitResult:
+    """Validate everything (arguments, folder, model, phrases and words against its vocabulary, the file as the
+    parsers read it), then write the folder in one step; a refusal writes nothing."""
+    folder = Path(args.folder)
+    _check_arguments(args)
+    check_folder(folder)
+    g = check_model(args.model)
+    check_tokens(args, _model_vocab(args, g))
     model_str = _model_str(folder, args.model)
     text = render_experiment(args, model_str)
     _check_parses(text)
     fill = [PROMPTS] + [f"prompts/{s}.jsonl" for s in CHAT_SETS] + [f"texts/{s}.jsonl" for s in TEXT_SETS]
     fill += [f"texts/kld_{d}.jsonl" for d in args.kld]
-    for sub in ("prompts", "texts", "dumps"):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
-    write_text_atomic(exp, text)
+    _write_folder(folder, text)
+    exp = folder / "experiment.toml"
     return InitResult(str(folder), str(exp), tuple(fill), tuple(next_commands(model_str, args.kld)))
 
 

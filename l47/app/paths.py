@@ -395,6 +395,24 @@ def check_transplant(overlay, base, out, force=False) -> None:
                   force=force)
 
 
+def expand_dump_paths(paths, option: str) -> tuple[Path, ...]:
+    """The dumps a list option names: each path as given, a folder standing for the dump files directly in it
+    (*.safetensors, sorted by name; `l47 dump --out` writes them there). A folder holding none is refused (a
+    misspelt or unfilled folder would otherwise be an empty blind set)."""
+    from l47.app.dumping import DUMP_SUFFIX
+
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            out.append(p)
+            continue
+        found = sorted(q for q in p.iterdir() if q.name.endswith(DUMP_SUFFIX) and q.is_file())
+        if not found:
+            raise L47Error(p, option, f"dump files ({DUMP_SUFFIX}) in the folder, or dump files", "a folder without any")
+        out += found
+    return tuple(out)
+
+
 def check_audit(args, force=False, json_out=None) -> list[str]:
     """`l47 audit`'s inputs and outputs, with room for the report (args: l47.evals.audit.AuditArgs)."""
     from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
