@@ -202,6 +202,8 @@ def _safetensors_header_edit(rng: random.Random, b: bytes) -> bytes:
         rest = b[8 + n:]
     except Exception:  # noqa: BLE001 - not a parsable seed: fall back to flips
         return _flip(rng, b)
+    if not isinstance(head, dict):
+        return _flip(rng, b)
     r = rng.random()
     if r < 0.15:
         hb = ('{"__metadata__":' + _deep(rng, rng.choice(("list", "obj", "open"))) + "}").encode()
@@ -325,6 +327,13 @@ READ = {"dump": _read_dump, "gguf": _read_gguf, "experiment": _read_experiment, 
 SUFFIX = {"dump": ".safetensors", "gguf": ".gguf", "experiment": ".toml", "jsonl": ".jsonl"}
 
 
+def _mutate(rng: random.Random, muts, data: bytes) -> bytes:
+    try:
+        return rng.choice(muts)(rng, data)
+    except RecursionError:  # a mutator's own json.dumps of a deep edit: flips instead
+        return _flip(rng, data)
+
+
 def fuzz_one_reader(reader: str, seed_bytes: bytes, n: int, rng: random.Random, work: Path, limit_s: float,
                     save: Path | None, max_saved: int = 3) -> dict:
     """n mutants of `seed_bytes` read by `reader`; returns its counts."""
@@ -334,10 +343,9 @@ def fuzz_one_reader(reader: str, seed_bytes: bytes, n: int, rng: random.Random, 
     muts = MUTATORS[reader]
     t0 = time.perf_counter()
     for i in range(n):
-        mut = rng.choice(muts)
-        data = mut(rng, seed_bytes)
+        data = _mutate(rng, muts, seed_bytes)
         if rng.random() < 0.1:  # a second mutation on top
-            data = rng.choice(muts)(rng, data)
+            data = _mutate(rng, muts, data)
         p = work / f"in{i}{SUFFIX[reader]}"  # a fresh file each time: an earlier read's mmap never sees it change
         p.write_bytes(data)
         signal.setitimer(signal.ITIMER_REAL, limit_s)

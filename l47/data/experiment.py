@@ -262,6 +262,9 @@ def _read_toml(path: Path) -> dict:
         raise L47Error(path, "TOML", "valid TOML", str(e)) from None
     except UnicodeDecodeError as e:
         raise L47Error(path, "encoding", "UTF-8 text", str(e)) from None
+    except RecursionError:  # tomllib parses nested arrays / tables recursively
+        raise L47Error(path, "TOML", "valid TOML nested as an experiment is", "nesting deeper than Python's "
+                       "recursion limit") from None
 
 
 def _parse_top(path: Path, d: dict, base: Path, missing: list[str], check_files: bool):
