@@ -400,7 +400,7 @@ def _worker(job: tuple) -> dict:
         return out
 
 
-def run(readers, inputs: int, workers: int, seed: int, limit_s: float, save: str | None) -> dict:
+def run(readers, inputs: int, workers: int, seed: int, limit_s: float, save: str | None, commit: str = "") -> dict:
     """Split `inputs` per reader over `workers` processes; merge their counts."""
     per = [inputs // workers + (1 if w < inputs % workers else 0) for w in range(workers)]
     jobs = [(tuple(readers), per[w], seed, w, limit_s, save) for w in range(workers) if per[w]]
@@ -426,11 +426,12 @@ def run(readers, inputs: int, workers: int, seed: int, limit_s: float, save: str
         t["inputs_per_s_per_core"] = t["inputs"] / t["cpu_seconds"] if t["cpu_seconds"] else None
         total[r] = t
     n_all = sum(t["inputs"] for t in total.values())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
-                                check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=False).stdout.strip()
+        except OSError:
+            commit = ""
     return {"readers": total, "inputs": n_all, "wall_s": wall, "inputs_per_s": n_all / wall if wall else None,
             "workers": workers, "seed": seed, "limit_s": limit_s, "commit": commit,
             "command": " ".join(["python", "scripts/fuzz_readers.py", *sys.argv[1:]])}
@@ -445,12 +446,13 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=float, default=10.0, help="seconds per input before it counts as a hang")
     ap.add_argument("--save", default=None, help="folder for the first crashing inputs of each kind")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--commit", default="", help="the commit the figures name (default: git rev-parse HEAD)")
     a = ap.parse_args(argv)
     readers = [r for r in a.readers.split(",") if r]
     bad = [r for r in readers if r not in READERS]
     if bad:
         ap.error(f"--readers: unknown {bad}; expected some of {list(READERS)}")
-    res = run(readers, a.inputs, a.workers, a.seed, a.limit, a.save)
+    res = run(readers, a.inputs, a.workers, a.seed, a.limit, a.save, a.commit)
     text = json.dumps(res, indent=1)
     if a.json:
         Path(a.json).write_text(text + "\n")

@@ -144,3 +144,24 @@ def test_text_input_errors(world, tmp_path):
     r = _invoke("inspect", world["root"] / "other_model.safetensors", "--text", "--model", world["base"],
                 "--bundle", world["bundle"])
     assert r.exit_code == 2 and "meta.model" in r.output, r.output
+
+
+def test_terminal_rendering_flows_the_text_with_the_events_dlogp(world):
+    """On a terminal: the text as written (role labels inserted), colour codes present, and each event's Δlog p
+    listed — the same numbers as the plain rows (3 decimals)."""
+    from rich.console import Console
+
+    from l47.app.inspect_text import TextArgs, build_text_view, print_text, render_plain
+
+    view = build_text_view(TextArgs(world["dumps"]["pool1"], world["root"] / "exp.toml", (), None, world["bundle"]))
+    con = Console(force_terminal=True, color_system="truecolor", width=100, record=True)
+    print_text(view, con)
+    coloured = con.export_text(styles=True, clear=False)
+    shown = con.export_text(styles=False)
+    flat = "".join(shown.splitlines())
+    assert "".join(m.text for m in view.tokens[1:]).replace("\n", "") in flat.replace("[assistant]", "")
+    assert "\x1b[" in coloured
+    ev = [m for m in view.tokens if m.event]
+    assert ev and all(f"#{m.i} {m.event!r} {m.dlogp:+.3f}" in flat for m in ev)
+    plain = {int(ln.split()[0]): ln for ln in render_plain(view)[2:]}
+    assert all(f"{m.dlogp:+.4f}" in plain[m.i] for m in ev)
