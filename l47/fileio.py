@@ -237,7 +237,7 @@ def staging_dir(path) -> Iterator[Path]:
         discard(stage)
 
 
-# --- interrupts -------------------------------------------------------------------------------------------
+# --- outputs that belong together -------------------------------------------------------------------------
 
 
 class AtomicGroup:
@@ -274,15 +274,19 @@ class AtomicGroup:
         if et is not None:
             self._discard()
             return
-        try:
-            with deferred_interrupts():
+        done: list[Path] = []
+        with deferred_interrupts():  # a signal meanwhile acts when the block ends, on the complete group
+            try:
                 for p in self.paths:
                     commit(self._tmp[p], p)
+                    done.append(p)
                 for fn in self._after:
                     fn()
-        except BaseException:
-            self._discard()
-            raise
+            except BaseException:  # a rename or an on_commit action failed: none of the group is left
+                self._discard()
+                for p in done:
+                    p.unlink(missing_ok=True)
+                raise
 
 
 # --- interrupts -------------------------------------------------------------------------------------------

@@ -393,3 +393,40 @@ def test_interrupted_audit_removes_the_folder_it_created(world, solved, tmp_path
             assert _tree(folder) == before
         else:
             assert not (tmp_path / "new").exists(), _tree(tmp_path / "new")
+
+
+def test_atomic_group_all_or_none(tmp_path, monkeypatch):
+    """AtomicGroup: a failure while writing leaves no file and no temp; a failure of the second rename removes the
+    first target too (none of the group); a clean exit renames both and runs the on_commit action once; the folder
+    the group created is removed by the cleanup when it ends empty, a folder that existed is kept."""
+    import l47.fileio as F
+
+    a, b = tmp_path / "new" / "rec.json", tmp_path / "new" / "bundle.gguf"
+    with pytest.raises(RuntimeError):
+        with F.AtomicGroup(a, b) as g:
+            g.temp(a).write_text("r")
+            raise RuntimeError("during the write")
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == []
+    F.cleanup_live()
+    assert not (tmp_path / "new").exists()  # created for the group, left empty: removed
+
+    real = F.commit
+
+    def second_fails(t, p):
+        if p == b:
+            raise OSError(28, "No space left on device")
+        return real(t, p)
+
+    monkeypatch.setattr(F, "commit", second_fails)
+    with pytest.raises(OSError):
+        with F.AtomicGroup(a, b) as g:
+            g.temp(a).write_text("r")
+            g.temp(b).write_bytes(b"B")
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == []
+    monkeypatch.setattr(F, "commit", real)
+    calls = []
+    with F.AtomicGroup(a, b) as g:
+        g.temp(a).write_text("r")
+        g.temp(b).write_bytes(b"B")
+        g.on_commit(lambda: calls.append(a.read_text() + b.read_bytes().decode()))
+    assert calls == ["rB"] and sorted(p.name for p in (tmp_path / "new").iterdir()) == ["bundle.gguf", "rec.json"]
