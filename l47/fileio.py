@@ -342,7 +342,7 @@ def interrupt_cleanup() -> str:
             n, first = _committed[0], list(_committed[1])
     finally:
         begin_command()
-    parts = [f"{n} complete output file(s) written before it kept ({', '.join(map(str, first))}"
+    parts = [f"kept {n} complete output file(s) written before the signal ({', '.join(map(str, first))}"
              f"{', ...' if n > len(first) else ''})"] if n else []
     parts.append(f"partial output NOT removed: {', '.join(map(str, left))}" if left else "no partial output left")
     return "; ".join(parts)
