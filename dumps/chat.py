@@ -295,6 +295,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any, L47Error | None]]:
             except json.JSONDecodeError as e:
                 yield where, None, L47Error(where, "line", "one JSON object per line", f"malformed JSON ({e.msg} "
                                             f"at column {e.colno}): {line.strip()[:60]!r}")
+            except RecursionError:  # json parses nested arrays / objects recursively
+                yield where, None, L47Error(where, "line", "one JSON object per line (a document record)",
+                                            "JSON nested deeper than Python's recursion limit")
 
 
 def _dataset_records(ds, name: str) -> Iterator[tuple[str, Any, L47Error | None]]:

@@ -78,25 +78,32 @@ def _encode(w: torch.Tensor, gtype: int, name: str) -> np.ndarray:
     return np.asarray(quantize(rows, gtype, name).cpu().numpy(), dtype=np.uint8)
 
 
+# config.json key -> the GGUF hyper-parameter written from it (`_hparams_kv`). These must come from the checkpoint's
+# own config.json: transformers would fill a missing one with its default, and the GGUF would carry a value the
+# checkpoint never had (a missing dimension shows up as a tensor shape mismatch, but e.g. the experts used per
+# token or the norm epsilon would not).
+HPARAM_KEYS: dict[str, tuple[str, type]] = {
+    "num_hidden_layers": (names.K_BLOCK_COUNT, int),
+    "hidden_size": (names.K_EMBED, int),
+    "shared_expert_intermediate_size": (names.K_SHEXP_FF, int),
+    "moe_intermediate_size": (names.K_EXPERT_FF, int),
+    "num_experts": (names.K_EXPERT_COUNT, int),
+    "num_experts_per_tok": (names.K_EXPERT_USED, int),
+    "hc_count": (names.K_HC_COUNT, int),
+    "hc_lowrank": (names.K_HC_LOWRANK, int),
+    "rms_norm_eps": (names.K_RMS_EPS, float),
+    "vocab_size": (names.K_VOCAB, int),
+}
+
+
 def _hparams_kv(cfg) -> tuple[dict, dict]:
     u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
-    kv = {
-        names.KEY_ARCH: names.ARCH,
-        names.KEY_NAME: EXPORTER_NAME,
-        names.key(names.K_BLOCK_COUNT): int(cfg.num_hidden_layers),
-        names.key(names.K_EMBED): int(cfg.hidden_size),
-        names.key(names.K_SHEXP_FF): int(cfg.shared_expert_intermediate_size),
-        names.key(names.K_EXPERT_FF): int(cfg.moe_intermediate_size),
-        names.key(names.K_EXPERT_COUNT): int(cfg.num_experts),
-        names.key(names.K_EXPERT_USED): int(cfg.num_experts_per_tok),
-        names.key(names.K_HC_COUNT): int(cfg.hc_count),
-        names.key(names.K_HC_LOWRANK): int(cfg.hc_lowrank),
-        names.key(names.K_RMS_EPS): float(cfg.rms_norm_eps),
-        names.key(names.K_VOCAB): int(cfg.vocab_size),
-        names.K_HF_CONFIG: cfg.to_json_string(use_diff=False),
-    }
-    types = {k: u32 for k, v in kv.items() if isinstance(v, int)}
-    types[names.key(names.K_RMS_EPS)] = f32
+    kv = {names.KEY_ARCH: names.ARCH, names.KEY_NAME: EXPORTER_NAME}
+    types = {}
+    for attr, (k, typ) in HPARAM_KEYS.items():
+        kv[names.key(k)] = typ(getattr(cfg, attr))
+        types[names.key(k)] = u32 if typ is int else f32
+    kv[names.K_HF_CONFIG] = cfg.to_json_string(use_diff=False)
     return kv, types
 
 
@@ -254,10 +261,169 @@ def read_hf_config(path):
         raise L47Error(cj, "model_type", f"{HF_MODEL_TYPE!r} (a Qwen4ExpForCausalLM text checkpoint)", repr(found))
     if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
         raise L47Error(path, "weights", f"*{' or *'.join(WEIGHT_SUFFIXES)} weight files", "none")
+    for k, (_, typ) in HPARAM_KEYS.items():
+        v = d.get(k)
+        if v is None:
+            raise L47Error(cj, k, f"{'an integer' if typ is int else 'a number'} (a hyper-parameter the GGUF "
+                           "carries; never transformers' default)", "missing")
+        ok = (isinstance(v, int) and not isinstance(v, bool) and v > 0) if typ is int else \
+            (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1)
+        if not ok:
+            raise L47Error(cj, k, "a positive integer" if typ is int else "a number in (0, 1)", repr(v))
     try:
         return Qwen4ExpTextConfig.from_dict(d)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise L47Error(cj, "config", "a valid Qwen4Exp text config", f"{type(e).__name__}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the checkpoint's weights, checked before anything is loaded
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+_ST_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own header cap
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def safetensors_shapes(path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in one safetensors file, from its header only (no tensor read). Refuses
+    (L47Error naming the file and the field) a file that is not a complete safetensors file: a header length past
+    the end, a header that is not a JSON object of {dtype, shape, data_offsets}, offsets that do not match the
+    shape, overlap, or leave bytes missing (a truncated file) or unaccounted for."""
+    import math
+    import struct
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise L47Error(path, "header", "a safetensors file (8-byte header length)", f"{size} bytes")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > min(_ST_MAX_HEADER, size - 8):
+                raise L47Error(path, "header length", f"<= {min(_ST_MAX_HEADER, size - 8)} bytes (the file's size)",
+                               f"{hlen} (truncated, or not a safetensors file)")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise L47Error(path, "weights file", "a readable safetensors file", f"{type(e).__name__}: {e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise L47Error(path, "header", "a JSON object", f"unparsable ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise L47Error(path, "header", "a JSON object", type(header).__name__)
+    header.pop("__metadata__", None)
+    data = size - 8 - hlen
+    shapes: dict[str, tuple[int, ...]] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            tag, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = tag in _ST_ITEMSIZE and isinstance(shape, list) and all(
+                type(x) is int and x >= 0 for x in [*shape, b, e])
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise L47Error(path, f"header entry {name}", "{dtype, shape, data_offsets} of a safetensors dtype",
+                           f"{info!r:.80}")
+        nb = math.prod(shape) * _ST_ITEMSIZE[tag]
+        if e - b != nb or b > e:
+            raise L47Error(path, f"tensor {name}", f"{nb} bytes ({tag} {tuple(shape)})", f"data_offsets [{b}, {e}]")
+        if e > data:
+            raise L47Error(path, f"tensor {name}", f"bytes [{b}, {e}) inside the {data}-byte data section",
+                           "past the end of the file (truncated)")
+        shapes[name] = tuple(shape)
+        spans.append((b, e))
+    spans.sort()
+    end = 0
+    for b, e in spans:
+        if b < end:
+            raise L47Error(path, "data_offsets", "disjoint tensors", f"overlap at byte {b}")
+        end = e
+    if end != data:
+        raise L47Error(path, "data section", f"{end} bytes (the tensors the header lists)",
+                       f"{data} bytes (truncated, or a file not written as safetensors)")
+    return shapes
+
+
+def checkpoint_weight_files(path) -> list[Path]:
+    """The safetensors files transformers loads for this folder (the index's shards, else model.safetensors);
+    refuses a checkpoint whose weights are only pickle files (l47 reads no pickle) or whose index names a missing
+    shard."""
+    path = Path(path)
+    idx = path / SAFETENSORS_INDEX
+    if idx.is_file():
+        try:
+            wm = json.loads(idx.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({str(v) for v in wm.values()})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise L47Error(idx, "weight_map", "a JSON object {tensor: shard file}", f"unreadable ({e!r:.80})") \
+                from None
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise L47Error(idx, "weight_map", "shard files present in the folder", f"missing {', '.join(missing)}")
+        return [path / f for f in files]
+    if (path / SAFETENSORS_SINGLE).is_file():
+        return [path / SAFETENSORS_SINGLE]
+    raise L47Error(path, "weights", f"{SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} (l47 reads no pickle weights)",
+                   ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)) or "none")
+
+
+def expected_checkpoint_tensors(cfg) -> dict[str, tuple[tuple[int, ...], dict[str, tuple[int, ...]]]]:
+    """model parameter -> (its shape, the tensors a checkpoint may hold it as: transformers' own reverse
+    conversion, e.g. the fused experts as one tensor per expert and projection), for the model `cfg` builds
+    (on the meta device: nothing allocated). Tied parameters (stored once) are left out."""
+    from transformers import Qwen4ExpForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(cfg)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    out = {}
+    for k, t in model.state_dict().items():
+        if k in tied:
+            continue
+        alt = {a: tuple(v.shape) for a, v in revert_weight_conversion(model, {k: t}).items()}
+        out[k] = (tuple(t.shape), alt)
+    return out
+
+
+def check_checkpoint_weights(path, cfg) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model `cfg` builds is in the checkpoint's safetensors files with its shape (as
+    itself, or as the pieces transformers' conversion joins), and every tensor of the files is one of them: else
+    one L47Error naming the missing, unexpected and shape-mismatched tensors (first few of each and their counts).
+    Headers only; returns name -> shape of the files' tensors."""
+    path = Path(path)
+    have: dict[str, tuple[int, ...]] = {}
+    for f in checkpoint_weight_files(path):
+        for k, shp in safetensors_shapes(f).items():
+            if k in have:
+                raise L47Error(f, f"tensor {k}", "each tensor in one file", "also in another shard")
+            have[k] = shp
+    missing, bad, used = [], [], set()
+    for k, (shp, alt) in expected_checkpoint_tensors(cfg).items():
+        if k in have:
+            used.add(k)
+            if have[k] != shp:
+                bad.append(f"{k} {have[k]} (model {shp})")
+            continue
+        if alt.keys() != {k} and any(a in have for a in alt):  # held as pieces: each piece is checked
+            used.update(a for a in alt if a in have)
+            missing += [a for a in alt if a not in have]
+            bad += [f"{a} {have[a]} (model {s})" for a, s in alt.items() if a in have and have[a] != s]
+            continue
+        missing.append(k)
+    extra = sorted(set(have) - used)
+    if missing or extra or bad:
+        def part(what, xs):
+            return f"{what} {len(xs)}: {', '.join(xs[:3])}{', ...' if len(xs) > 3 else ''}" if xs else ""
+        found = "; ".join(p for p in (part("missing", missing), part("unexpected", extra),
+                                      part("shape mismatch", bad)) if p)
+        raise L47Error(path, "weights", "exactly the tensors of the model config.json describes, at their shapes",
+                       found)
+    return have
 
 
 def load_hf(path, device="cpu"):
@@ -265,12 +431,24 @@ def load_hf(path, device="cpu"):
     from transformers import Qwen4ExpForCausalLM
 
     path = Path(path)
-    read_hf_config(path)
+    cfg = read_hf_config(path)
+    check_checkpoint_weights(path, cfg)  # every parameter from the checkpoint's own tensors, before loading
     try:
-        model = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError) as e:
+        model, info = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                          output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
         raise L47Error(path, "checkpoint", "a loadable Qwen4Exp checkpoint", f"{type(e).__name__}: {e}") from None
+    require_strict_load(path, info)
     return model.to(device).eval()
+
+
+def require_strict_load(path, info: dict) -> None:
+    """transformers' own loading report must be empty: no parameter initialised at random, none ignored."""
+    left = {k: sorted(v) for k, v in info.items() if v}
+    if left:
+        k, v = next(iter(left.items()))
+        raise L47Error(path, f"weights ({k})", "none (every parameter from the checkpoint's own tensors)",
+                       f"{len(v)}: {', '.join(map(str, v[:3]))}")
 
 
 def export_types(model, types: dict | None = None) -> dict[str, int]:

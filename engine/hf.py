@@ -204,16 +204,19 @@ def load_hf_placed(path, placement: Placement):
     on the host), f32, eval mode."""
     from transformers import Qwen4ExpForCausalLM
 
+    from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config, require_strict_load
+
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise L47Error(path, "config.json", "a transformers checkpoint directory", "no config.json")
+    check_checkpoint_weights(path, read_hf_config(path))  # strict: every parameter from the checkpoint's tensors
     try:
-        model = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
-                                                    device_map=placement.device_map,
-                                                    max_memory=placement.max_memory,
-                                                    offload_folder=placement.offload_dir)
+        model, info = Qwen4ExpForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                          device_map=placement.device_map,
+                                                          max_memory=placement.max_memory,
+                                                          offload_folder=placement.offload_dir,
+                                                          output_loading_info=True)
     except (OSError, ValueError) as e:
         raise L47Error(path, "checkpoint", "a loadable Qwen4Exp checkpoint", f"{type(e).__name__}: {e}") from None
+    require_strict_load(path, info)
     return model.eval()
 
 

@@ -437,7 +437,7 @@ def render_tsv(docs, vocab, special_ids, sims) -> str:
 def write_reports(out: Path, report: dict, docs, vocab, special_ids, sims, plots: bool = True) -> dict[str, str]:
     """Write report.json, report.md, positions.tsv and the plots into `out` (staged, then moved in)."""
     out = Path(out)
-    from l47.fileio import staging_dir
+    from l47.fileio import deferred_interrupts, staging_dir
 
     with staging_dir(out / ".l47-audit") as stage:
         (stage / REPORT_JSON).write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
@@ -450,9 +450,10 @@ def write_reports(out: Path, report: dict, docs, vocab, special_ids, sims, plots
             (stage / PLOTS_DIR).mkdir()
             names += [f"{PLOTS_DIR}/{p}" for p in write_plots(stage / PLOTS_DIR, report, docs)]
         files = {}
-        if plots:
-            (out / PLOTS_DIR).mkdir(exist_ok=True)
-        for nm in names:
-            os.replace(stage / nm, out / nm)
-            files[nm] = str(out / nm)
+        with deferred_interrupts():  # the report's files move in together: an interrupt leaves all or none
+            if plots:
+                (out / PLOTS_DIR).mkdir(exist_ok=True)
+            for nm in names:
+                os.replace(stage / nm, out / nm)
+                files[nm] = str(out / nm)
         return files

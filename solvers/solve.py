@@ -31,7 +31,7 @@ import torch
 import l47
 from l47.data import record as rec
 from l47.errors import L47Error
-from l47.fileio import sha256_file, write_text_atomic
+from l47.fileio import AtomicGroup, sha256_file
 from l47.model import names
 from l47.solvers.batch import Batch, EventTerms, batch_mix, gather, pick_chosen
 from l47.solvers.ftpo import FtpoConfig
@@ -541,8 +541,8 @@ def touched_terms(sel: Selection, prob: Problem, method: str) -> list[rec.Touche
     return t
 
 
-def _write_bundle(plan: SolvePlan, raw: np.ndarray) -> str:
-    """Bundle (or overlay) with provenance; returns its sha256."""
+def _write_bundle(plan: SolvePlan, raw: np.ndarray, path: Path) -> str:
+    """Bundle (or overlay) with provenance, written to `path` (the bundle's temp name); returns its sha256."""
     from l47.model.gguf_io import open_gguf
     from l47.solvers.bundle import write_bundle, write_overlay
 
@@ -550,8 +550,8 @@ def _write_bundle(plan: SolvePlan, raw: np.ndarray) -> str:
     prov = {"method": plan.cfg.method, "toolkit_version": l47.__version__, "seed": str(plan.cfg.seed),
             "base_sha256": plan.base_g.sha256(), "target": plan.w.target, "config": plan.cfg.to_dict(),
             "dumps": sorted({d.sha256 for d in r.docs if not d.refused and d.set in SOLVER_SETS})}
-    (write_overlay if plan.args.overlay else write_bundle)(plan.model, plan.out, plan.w.target, raw, prov)
-    return open_gguf(plan.out).sha256()
+    (write_overlay if plan.args.overlay else write_bundle)(plan.model, path, plan.w.target, raw, prov)
+    return open_gguf(path).sha256()
 
 
 def _measured_on_bundle(sel: Selection) -> list[str]:
@@ -564,7 +564,17 @@ def _measured_on_bundle(sel: Selection) -> list[str]:
 
 def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipped,
                   claims: rec.SolveClaims, sweep: rec.SweepRecord | None = None) -> SolveResult:
-    bundle_sha = _write_bundle(plan, shipped.raw)
+    path = rec.record_path_for(plan.out)
+    with AtomicGroup(path, plan.out) as unit:  # the bundle and its record: both or neither, whatever interrupts
+        record = _write_bundle_and_record(plan, sel, prob, shipped, claims, sweep, unit.temp(plan.out),
+                                          unit.temp(path))
+        unit.on_commit(lambda: plan.ledger.append(_measured_on_bundle(sel), record.bundle_sha256, "solve"))
+    return SolveResult(record, plan.out, path, plan.cfg)
+
+
+def _write_bundle_and_record(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipped,
+                             claims: rec.SolveClaims, sweep, bundle_tmp: Path, record_tmp: Path) -> rec.SolveRecord:
+    bundle_sha = _write_bundle(plan, shipped.raw, bundle_tmp)
     r, base_sha = plan.report, plan.base_g.sha256()
     inputs = [rec.InputFile(str(plan.model), base_sha, "model"),
               rec.InputFile(str(plan.exp.path), sha256_file(plan.exp.path), "experiment")]
@@ -576,10 +586,8 @@ def write_outputs(plan: SolvePlan, sel: Selection, prob: Problem, shipped: Shipp
                              claims=claims, notes=list(warnings) + plan.dumps.other_model_notes,
                              numerics=plan.w.numerics.record(), stamps=_stamps(plan.dumps.other_model_notes),
                              sweep=sweep)
-    path = rec.record_path_for(plan.out)
-    write_text_atomic(path, record.to_json())
-    plan.ledger.append(_measured_on_bundle(sel), bundle_sha, "solve")
-    return SolveResult(record, plan.out, path, plan.cfg)
+    record_tmp.write_text(record.to_json(), encoding="utf-8")
+    return record
 
 
 # ----------------------------------------------------------------------------------------------------------

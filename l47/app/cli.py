@@ -70,9 +70,10 @@ def guarded(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from l47.fileio import Interrupted, cleanup_live, install_signal_cleanup
+        from l47.fileio import Interrupted, begin_command, install_signal_cleanup, interrupt_cleanup
 
         install_signal_cleanup()
+        begin_command()
         try:
             from l47.app.paths import check_options
 
@@ -85,9 +86,9 @@ def guarded(fn):
             _error_line(_os_error_line(e))
             raise typer.Exit(2)
         except (KeyboardInterrupt, Interrupted) as e:
-            cleanup_live()
+            what = interrupt_cleanup()  # a second signal meanwhile is ignored: this cleanup always finishes
             code = e.code if isinstance(e, Interrupted) else 130
-            _error_line(f"interrupted: stopped before finishing; no partial output left (exit {code})")
+            _error_line(f"interrupted: stopped before finishing; {what} (exit {code})")
             raise typer.Exit(code)
 
     return wrapper
@@ -103,11 +104,30 @@ def _fmt(x, spec=".4f"):
 
 @app.command()
 @guarded
-def inspect(file: Path = typer.Argument(..., help="a GGUF model/bundle or a dump (.safetensors)")):
-    """Describe a GGUF's tail tensors and hyperparameters, or a dump file."""
-    from l47.app.inspect import inspect_file
+def inspect(
+    file: Path = typer.Argument(..., help="a GGUF model/bundle, a dump (.safetensors) or a checkpoint folder"),
+    text: bool = typer.Option(False, "--text", help="a dump's document token by token: roles, events, near "
+                              "misses, turn ends (colours on a terminal, plain marks otherwise)"),
+    experiment: Optional[Path] = typer.Option(None, help="--text: the phrases (and the model) of this experiment"),
+    phrase: Optional[list[str]] = typer.Option(None, "--phrase", help="--text: a phrase to mark (repeatable)"),
+    model: Optional[Path] = typer.Option(None, help="--text: the base GGUF (its vocabulary; the base of Δlog p)"),
+    bundle: Optional[Path] = typer.Option(None, help="--text: show each token's Δlog p under this bundle"),
+    device: str = typer.Option("cpu", help="--text --bundle: device of the tail forward"),
+):
+    """Describe a GGUF's tail tensors and hyperparameters, a dump file, or a checkpoint folder; with --text, the
+    dump's document token by token."""
+    if not text:
+        from l47.app.inspect import inspect_file
 
-    inspect_file(file, console)
+        given = [o for o, v in (("--experiment", experiment), ("--phrase", phrase), ("--model", model),
+                                ("--bundle", bundle)) if v]
+        if given:
+            raise L47Error("l47 inspect", given[0], "only with --text", "given without it")
+        inspect_file(file, console)
+        return
+    from l47.app.inspect_text import TextArgs, build_text_view, print_text
+
+    print_text(build_text_view(TextArgs(file, experiment, tuple(phrase or ()), model, bundle, device)), console)
 
 
 @app.command()

@@ -2,7 +2,9 @@
 `audit` and `dump` read, with the checkpoint's own tokenizer, checked before it is kept.
 
 Steps (every input is validated before the model is loaded; nothing is left at OUT unless the check passes):
-    1. inputs      config.json (model_type qwen4_exp_text), weight files, tokenizer.json (byte-level BPE, a Qwen
+    1. inputs      config.json (model_type qwen4_exp_text, the hyper-parameters the GGUF carries present), the
+                   safetensors weights (complete files; exactly the model's parameters at their shapes: missing,
+                   unexpected and mismatched tensors named; transformers then loads them strictly), tokenizer.json (byte-level BPE, a Qwen
                    pre-tokenizer detected from its Split regex or named with --pre), the five chat special
                    tokens, OUT not existing, the tensor types
     2. tokenizer   tokenizer.json -> GGUF tokenizer metadata (padded to config vocab_size with unused rows)
@@ -111,7 +113,7 @@ def _check_type_names(args: ExportArgs) -> None:
 
 def validate_inputs(args: ExportArgs):
     """(config, tokenizer metadata, vocab) — every input checked, nothing loaded or written yet."""
-    from l47.engine.gguf_export import read_hf_config
+    from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config
     from l47.model.vocab import checkpoint_tokenizer_kv, require_specials, vocab_from_kv
 
     out = Path(args.out)
@@ -122,6 +124,7 @@ def validate_inputs(args: ExportArgs):
         raise L47Error(out, "output folder", "an existing folder", f"no folder {out.parent}")
     _check_type_names(args)
     cfg = read_hf_config(args.hf_dir)
+    check_checkpoint_weights(args.hf_dir, cfg)  # headers: every parameter covered, nothing extra, shapes, complete
     kv = checkpoint_tokenizer_kv(args.hf_dir, int(cfg.vocab_size), args.pre)
     vocab = vocab_from_kv(kv, str(Path(args.hf_dir) / "tokenizer.json"))
     require_specials(vocab, why="the chat template and the audit's turn ends")

@@ -191,6 +191,15 @@ def _num(where: Path, name: str, v: Any, kind: type, lo: float | None = None, hi
     return kind(v)
 
 
+def _is_file(p: Path, where: Path, name: str) -> bool:
+    """p.is_file(), a path the file system cannot take (too long, a NUL byte) refused in one line."""
+    try:
+        return p.is_file()
+    except (OSError, ValueError) as e:
+        raise L47Error(where, name, "a path the file system accepts", f"{str(p)[:60]!r}…: "
+                       f"{getattr(e, 'strerror', None) or e}") from None
+
+
 def _paths(where: Path, name: str, v: Any, base: Path, missing: list[str]) -> tuple[Path, ...]:
     if isinstance(v, str):
         v = [v]
@@ -205,7 +214,7 @@ def _paths(where: Path, name: str, v: Any, base: Path, missing: list[str]) -> tu
             if not hits:
                 missing.append(f"{name}: {s} (pattern matches no file)")
             out += hits
-        elif not p.is_file():
+        elif not _is_file(p, where, name):
             missing.append(f"{name}: {p}")
             out.append(p)
         else:
@@ -263,6 +272,9 @@ def _read_toml(path: Path) -> dict:
         raise L47Error(path, "TOML", "valid TOML", str(e)) from None
     except UnicodeDecodeError as e:
         raise L47Error(path, "encoding", "UTF-8 text", str(e)) from None
+    except RecursionError:  # tomllib parses nested arrays / tables recursively
+        raise L47Error(path, "TOML", "valid TOML nested as an experiment is", "nesting deeper than Python's "
+                       "recursion limit") from None
 
 
 def _parse_top(path: Path, d: dict, base: Path, missing: list[str], check_files: bool):
@@ -276,7 +288,7 @@ def _parse_top(path: Path, d: dict, base: Path, missing: list[str], check_files:
             raise L47Error(path, "model", "a path to the base GGUF", repr(model))
         model = Path(model).expanduser()
         model = model if model.is_absolute() else base / model
-        if check_files and not model.is_file():
+        if check_files and not _is_file(model, path, "model"):
             missing.append(f"model: {model}")
     vocab = d.get("vocab", "auto")
     if vocab not in VOCAB_SOURCES:

@@ -307,6 +307,8 @@ def _read_tensor_table(cur: _Cursor, n_tensors: int) -> list[tuple[str, tuple[in
         if n_dims > GGML_MAX_DIMS:
             raise L47Error(cur.path, cur.field, f"at most {GGML_MAX_DIMS} dims", f"{n_dims}")
         ne = tuple(cur.unpack("<Q") for _ in range(n_dims))
+        if 0 in ne:  # ggml has no empty dimension (every ne >= 1)
+            raise L47Error(cur.path, cur.field, "dimensions >= 1", f"ne {ne}")
         gtype = cur.unpack("<I")
         rel = cur.unpack("<Q")
         raw_table.append((name, ne, gtype, rel))
