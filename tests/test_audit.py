@@ -283,7 +283,8 @@ def _write_record(bundle, w, sets_rep, extra_touched=(), claims_override=None):
     claims = replace(claims, **(claims_override or {}))
     inputs = [rec.InputFile(d.path, d.sha256, d.set) for d in sets_rep.docs if d.set in ("train", "dev", "background")]
     r = rec.SolveRecord(method="hand", toolkit_version="test", seed=0, base_sha256=w.model_sha256, bundle_sha256=bsha,
-                        target=w.target, config={}, inputs=inputs, touched=touched, claims=claims)
+                        target=w.target, config={}, inputs=inputs, touched=touched, claims=claims,
+                        experiment_content=sets_rep.content, experiment_content_sha256=sets_rep.content_sha256)
     rec.record_path_for(bundle).write_text(r.to_json())
     return r
 
@@ -1058,7 +1059,30 @@ def test_planted_dumps_without_engine_logits(world, tmp_path):
     assert "unverified" in (tmp_path / "out2" / "report.md").read_text().splitlines()[0]
 
 
+def _dev_p_rejected(world, bundle):
+    """PRejected at the dev events from an exact paired pass here (score_pair), per phrase: what a solver claims
+    as the dev figures at its stop."""
+    from l47.data import record as rec
+    from l47.dumps import read_dump
+    from l47.model.weights import edited_weight
+    from l47.tail.forward import score_pair
+
+    w, s = world["w"], world["sets"]
+    W_new, _ = edited_weight(w, bundle)
+    docs = {d.sha256: d for d in s.docs}
+    dev = [e for e in s.events if e.set == "dev"]
+    got = [(e.phrase, score_pair(w, read_dump(docs[e.doc_sha256].path), W_new), e.pos) for e in dev]
+    b = [(ph, math.exp(ps.base.logp_target[t])) for ph, ps, t in got]
+    a = [(ph, math.exp(ps.new.logp_target[t])) for ph, ps, t in got]
+    per = lambda xs: {ph: float(np.mean([x for q, x in xs if q == ph])) for ph in sorted({q for q, _ in xs})}  # noqa
+    return rec.PRejected(before=float(np.mean([x for _, x in b])), after=float(np.mean([x for _, x in a])), n=len(dev),
+                         per_phrase_before=per(b), per_phrase_after=per(a))
+
+
 def test_planted_record_at_iteration_cap(world, tmp_path):
+    """A record at its iteration cap fails the claims bar unexplained; a bare "convergence:" note does not
+    explain it (no figures); the note with the iterations and the dev residual per phrase at the stop does — and
+    the audit reports those figures as it re-derives them."""
     from l47.data import record as rec
 
     bundle = tmp_path / "good_capped.gguf"
@@ -1070,12 +1094,33 @@ def test_planted_record_at_iteration_cap(world, tmp_path):
     assert not b.passed and b.value == 2
     assert any("iteration_cap" in m for m in b.details["mismatched"])
     assert any("max_violation" in m for m in b.details["mismatched"])
-    # explained in the record: reported, not failed
-    rec.record_path_for(bundle).write_text(replace(r, notes=["convergence: capped on purpose for this test; "
-                                                                 "the held-out bars judge the result"]).to_json())
+    # a bare note ("convergence: ok"): still unexplained, the missing figures named
+    rec.record_path_for(bundle).write_text(replace(r, notes=["convergence: ok"]).to_json())
+    res1 = _audit(world, bundle, tmp_path / "out1")
+    b1 = _bars(res1)["claims"]
+    assert not b1.passed and b1.value == 2
+    assert b1.details["convergence"]["missing"] == [
+        "the dev residual per phrase at the stop (claims.dev_p_rejected per phrase)"]
+    assert all("explanation lacks" in m for m in b1.details["convergence"]["unexplained"])
+    # the figures without iterations: still unexplained
+    dev = _dev_p_rejected(world, bundle)
+    no_it = replace(r.claims, dev_p_rejected=dev, convergence=replace(conv, iterations=None))
+    rec.record_path_for(bundle).write_text(replace(r, claims=no_it, notes=["convergence: capped"]).to_json())
+    assert not _bars(_audit(world, bundle, tmp_path / "out1b"))["claims"].passed
+    # the reason with the figures (iterations, dev residual per phrase): reported, not failed
+    with_fig = replace(r.claims, dev_p_rejected=dev)
+    rec.record_path_for(bundle).write_text(replace(r, claims=with_fig, notes=[
+        "convergence: capped on purpose for this test; the held-out bars judge the result"]).to_json())
     res2 = _audit(world, bundle, tmp_path / "out2")
     b2 = _bars(res2)["claims"]
     assert b2.passed and b2.details["convergence"]["explanations"]
+    fig = b2.details["convergence"]["figures"]
+    assert fig["iterations"] == 8 and fig["reason"].startswith("capped on purpose")
+    # the residuals reported are the re-derived dev claims' (rel. 1e-3: the claims bar's own tolerance)
+    assert set(fig["dev_residual_per_phrase"]) == set(dev.per_phrase_before) and len(dev.per_phrase_before) >= 2
+    for ph, v in fig["dev_residual_per_phrase"].items():
+        assert v == pytest.approx(dev.per_phrase_after[ph] / dev.per_phrase_before[ph], rel=1e-9)
+        assert b2.details["compared"][f"dev_p_rejected.per_phrase_after.{ph}"]["ok"]
 
 
 def _hf_support(logp: np.ndarray, sampler: dict) -> np.ndarray:
