@@ -759,8 +759,8 @@ def _warnings(exp, th, issues, docs, ev, col, phrases, words, blind=None) -> lis
     for s in EVENT_SETS:
         listed = s in exp.sets or (exp.split is not None and s in SPLIT_SETS)
         if listed and s == "blind" and accepted.get(s, 0) and not n_ev.get(s):
-            warnings.append(f"set 'blind': zero slop events in {accepted[s]} document(s): `l47 audit --blind` "
-                            "refuses it (nothing to sign off slop on)")
+            warnings.append(f"set 'blind': zero events in {accepted[s]} document(s) (by its tokens and the "
+                            "engine's recorded log p): `l47 audit --blind` refuses a blind set without a slop event")
         elif listed and accepted.get(s, 0) == 0:
             warnings.append(f"set {s!r}: no accepted documents")
         elif listed and n_ev.get(s, 0) == 0:
