@@ -104,8 +104,8 @@ def register(name: str, *, family: str, direction: str, threshold: str | None, a
              reads: tuple[tuple[str, str], ...] = ()):
     """Decorator: add a bar function to the registry (names are unique). `reads`: the other thresholds the
     bar's measure depends on (a guard or a selection rule that decides what it measures), each with the way it
-    moves to prove less (HIGHER / LOWER); the bar's own `threshold` has the way its direction implies. Many
-    parameters because the keyword parameters ARE the bar's metadata (registered as data, shown in every
+    moves to prove less (HIGHER / LOWER); the bar's own `threshold` has the way its direction implies.
+    Many parameters because the keyword parameters ARE the bar's metadata (registered as data, shown in every
     report)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"bar {name}: direction {direction!r}")
