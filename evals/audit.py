@@ -75,6 +75,7 @@ class AuditArgs:
     plots: bool = True
     allow_unverified: bool = False  # dumps without engine logits: n/a for the zero-proxy bar, report "unverified"
     allow_other_model: bool = False  # dumps of another model (refused before by the CLI): listed and stamped
+    precision: str | None = None  # head GEMM precision (l47.model.weights.head_precision); None: "auto"
 
     def __post_init__(self):  # one path (or None) is a blind set of one (or none)
         b = self.blind
@@ -1034,7 +1035,7 @@ def load_context(args: AuditArgs) -> AuditContext:
     ledgers = _ledgers(args, base_g.sha256())
     rpath = Path(args.record) if args.record is not None else record_path_for(args.bundle)
     record = read_record(rpath) if rpath.is_file() else None
-    w = load_tail_weights(base_g, policy=args.policy, device=args.device)
+    w = load_tail_weights(base_g, policy=args.policy, device=args.device, precision=args.precision)
     refuse_other_model(base_g, bundle_g, w.target, record)
     content = check_handoffs(args, exp, record, rpath)
     W_new, bsha = edited_weight(w, args.bundle, args.device)

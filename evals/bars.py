@@ -379,6 +379,7 @@ def _c_slop(ev: Evidence) -> Measure:
 
 
 @register("c.min_heldout_per_phrase", family="(c)", direction=GE, threshold="min_heldout_per_phrase",
+          reads=(("min_train_per_phrase", LOWER),),  # plan / solve refuse a phrase thinner than it (l47.data.thin)
           aggregation="min over the experiment's phrases (a phrase with no held-out event counts 0)",
           definition="held-out events per phrase: too few and the per-phrase slop figure is noise (seed §6.3)")
 def _c_min(ev: Evidence) -> Measure:

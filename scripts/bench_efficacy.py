@@ -14,6 +14,13 @@ Usage:
     python scripts/bench_efficacy.py --out DIR --markdown docs/BENCHMARKS.md  # append the table
     python scripts/bench_efficacy.py --out DIR --methods ''                   # dumps and sets only
     python scripts/bench_efficacy.py --out DIR --methods ftpo --reuse          # solve + audit on DIR's dumps/sets
+    python scripts/bench_efficacy.py --zoo 4 --models '' --methods ftpo --device cuda   # 4 fresh zoo seeds
+    python scripts/bench_efficacy.py --zoo-seeds 101,103 --models '' --methods ftpo     # these zoo seeds
+
+Zoo models (issue 37, scripts/make_zoo.py, docs/ZOO.md): `--zoo N` draws N fresh seeds (printed), builds each one
+not yet in the cache (~/.cache/l47-zoo/seed-S, or --zoo-root) on --device, and runs the same walk on it: its written
+pool chats and its own generations in the split pool, its own generated held-out chats, no [solver] table. A model
+whose build or walk fails is marked in the table with the failing command and its first error line; the others go on.
 
 Outputs: DIR/<model>/ (dumps, experiment.toml, sets.json, <method>/bundle.gguf, <method>/audit/), DIR/results.json
 (everything above) and DIR/results.md (the table).
@@ -62,6 +69,13 @@ def specs() -> dict[str, ModelSpec]:
         "model2": ModelSpec("model2", d2 / "model2.gguf", d2, tuple(m2.PHRASES),
                             ("kld_order_json", "kld_recipes", "kld_support"), None, "pool_chat.jsonl"),
     }
+
+
+def zoo_spec(seed: int, root: Path, small: bool = False) -> ModelSpec:
+    """A built zoo model (scripts/make_zoo.py's folder) as a ModelSpec: its phrases and KLD stems from zoo.json."""
+    z = json.loads((root / "zoo.json").read_text())
+    return ModelSpec(f"zoo{seed}" + ("s" if small else ""), root / "zoo.gguf", root / "data", tuple(z["phrases"]),
+                     tuple(z["kld"]), "prompts.jsonl", "pool_chat.jsonl")
 
 
 SMALL = {"prompts": 8, "pool_chat": 48, "heldout_chat": 6, "collateral": 16, "background": 6, "kld": 3}
@@ -163,7 +177,10 @@ class BenchOptions:
     solver: str = ""
 
 
-def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchOptions, log) -> dict:
+def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchOptions, log,
+              res: dict | None = None) -> dict:
+    """The walk on one model; `res` (filled as it goes) names in res["command"] the step being run, so a caller
+    that catches a failure can say where it happened."""
     from l47.app.demo import write_experiment
     from l47.data.sets import build_sets, write_sets_json
     from l47.dumps.select import SPLITS
@@ -174,13 +191,15 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
     from l47.data.sets import load_sets_report
     from l47.fileio import write_text_atomic
 
-    res: dict = {"model": str(spec.model), "methods": {}}
+    res = {} if res is None else res
+    res.update({"model": str(spec.model), "methods": {}})
     t0 = time.time()
     manifest, sets_json = out / "dumps.json", out / "sets.json"
     if opts.reuse and manifest.is_file() and sets_json.is_file():  # the dumps and sets of an earlier run of this --out
         dirs = {k: [Path(x) for x in v] for k, v in json.loads(manifest.read_text())["dirs"].items()}
         log(f"{spec.name}: reusing {sum(map(len, dirs.values()))} dumps and {sets_json}")
     else:
+        res["command"] = f"l47 dump (every set of {spec.data}) --model {spec.model}"
         dirs = dump_all(spec, out, opts.caps, opts.max_new_tokens, log, opts.device)
         write_text_atomic(manifest, json.dumps({"dirs": {k: [str(x) for x in v] for k, v in dirs.items()}}))
     res["dump_s"] = round(time.time() - t0, 1)
@@ -190,6 +209,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
     if opts.reuse and sets_json.is_file() and manifest.is_file():
         report = load_sets_report(sets_json)
     else:
+        res["command"] = f"l47 sets {exp} --json {sets_json}"
         report = build_sets(exp, device=opts.device)
         write_sets_json(report, sets_json)
     res["sets_s"] = round(time.time() - t0, 1)
@@ -203,6 +223,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
         mdir.mkdir(parents=True, exist_ok=True)
         bundle = mdir / "bundle.gguf"
         t0 = time.time()
+        res["command"] = m["command"] = f"l47 solve {exp} --sets {sets_json} --method {method} --out {bundle}"
         try:
             solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
                                          device=opts.device),
@@ -220,6 +241,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
         m["convergence"] = dataclasses.asdict(c.convergence) if c.convergence is not None else None
         m["anchors"] = dataclasses.asdict(c.anchors) if c.anchors is not None else None
         t0 = time.time()
+        res["command"] = m["command"] = f"l47 audit {bundle} --base {spec.model} --experiment {exp} --out {mdir / 'audit'}"
         try:
             a = run_audit(AuditArgs(bundle, spec.model, exp, mdir / "audit", ledger=mdir / "ledger.jsonl",
                                     plots=False, device=opts.device))
@@ -229,14 +251,104 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
         m["audit_s"] = round(time.time() - t0, 1)
         rep = a.report
         m["passed"] = a.passed
-        m["bars"] = {b["name"]: {"value": b.get("value"), "passed": b.get("passed"),
-                                 "applicable": b.get("applicable", True)} for b in rep["bars"]}
+        m["bars"] = {b["name"]: {"value": b.get("value"), "passed": b.get("passed"), "threshold": b.get("threshold"),
+                                 "slack": _slack(b), "applicable": b.get("applicable", True)} for b in rep["bars"]}
         rows = event_rows(sets_json, Path(a.out_dir) / "positions.tsv")
         for split in ("dev", "heldout", "chat_heldout"):
             m[split] = _per_phrase(rows.get(split))
         log(f"{spec.name}/{method}: audit {'PASS' if a.passed else 'FAIL'}; held-out residual "
             f"{(m['heldout'].get('(all)') or {}).get('residual')}")
+    res.pop("command", None)
     return res
+
+
+def zoo_seed_list(n: int, given: str) -> list[int]:
+    """--zoo-seeds (as given) + n fresh random seeds of make_zoo's range, none repeated."""
+    import random
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_zoo as mz
+
+    seeds = []
+    for x in (t.strip() for t in given.split(",") if t.strip()):
+        if not x.isdigit() or int(x) not in mz.SEEDS:
+            raise ValueError(f"--zoo-seeds: expected integers in {mz.SEEDS.start}..{mz.SEEDS.stop - 1}, found {x!r}")
+        seeds.append(int(x))
+    if n < 0:
+        raise ValueError(f"--zoo: expected a count >= 0, found {n}")
+    rng, target = random.SystemRandom(), len(seeds) + n
+    while len(seeds) < target:
+        s = rng.randrange(mz.SEEDS.start, mz.SEEDS.stop)
+        if s not in seeds:
+            seeds.append(s)
+    return seeds
+
+
+def _zoo_folder(seed: int, root: Path | None, small: bool) -> Path:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_zoo as mz
+
+    return (root / (f"seed-{seed}-small" if small else f"seed-{seed}")) if root else mz.default_out(seed, small)
+
+
+def prebuild_zoo(seeds: list[int], root: Path | None, small: bool, device: str, jobs: int) -> None:
+    """Build the zoo models `jobs` at a time (one make_zoo process each, its log beside its folder); a failed
+    build is left to build_zoo, which retries it in-process and records its error."""
+    import os
+
+    threads = max(1, (os.cpu_count() or 2) // jobs)
+    running: list[subprocess.Popen] = []
+    for s in seeds:
+        folder = _zoo_folder(s, root, small)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # build_zoo records the error
+        cmd = [sys.executable, str(REPO / "scripts" / "make_zoo.py"), "--seed", str(s), "--out", str(folder),
+               "--device", device, "--threads", str(threads)] + (["--small"] if small else [])
+        print(f"zoo seed {s}: {' '.join(cmd[1:])} > {folder}.log", flush=True)
+        with open(f"{folder}.log", "w") as log:
+            running.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        while len([p for p in running if p.poll() is None]) >= jobs:
+            time.sleep(2)
+    for p in running:
+        p.wait()
+
+
+def build_zoo(seed: int, root: Path | None, small: bool, device: str, res: dict) -> ModelSpec:
+    """The zoo model of `seed` (built unless cached) as a ModelSpec; its record in res["zoo"]."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_zoo as mz
+
+    spec = mz.draw_spec(seed, small)
+    folder = _zoo_folder(seed, root, small)
+    res["command"] = f"python scripts/make_zoo.py --seed {seed} --out {folder} --device {device}" + \
+        (" --small" if small else "")
+    log = Path(f"{folder}.log")
+    if log.is_file() and not mz.is_built(folder, spec):  # prebuild_zoo's process failed: its last line says why
+        last = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+        raise RuntimeError(last[-1] if last else "make_zoo wrote nothing")
+    z = mz.build(spec, folder, device, log=lambda s: print(s, flush=True))
+    res["zoo"] = {"seed": seed, "register": z["register"], "arch": _arch_line(z), "specials": z["specials"],
+                  "base_p": z["base_p"], "near_certain": z["near_certain"], "train_s": z["train"]["train_seconds"],
+                  "train_device": z["train"]["device_name"], "learned": z.get("learned")}
+    return zoo_spec(seed, folder, small)
+
+
+def _arch_line(z: dict) -> str:
+    m = z["arch"]
+    kinds = "".join("I" if t == "indexed_attention" else "G" for t in m["layer_types"])
+    return (f"{len(m['layer_types'])} layers {kinds}, n {m['hidden_size']}, f {m['shared_expert_intermediate_size']}, "
+            f"{m['num_experts']} experts top-{m['num_experts_per_tok']}, hc rank {m['hc_lowrank']}, V {z['vocab']}, "
+            f"head {z['head_type']}")
+
+
+def _slack(b: dict) -> float | None:
+    """How far a bar's value is inside its threshold (negative: outside), in the bar's own units."""
+    v, t = b.get("value"), b.get("threshold")
+    if not isinstance(v, (int, float)) or not isinstance(t, (int, float)):
+        return None
+    return float(v - t) if b.get("direction") == ">=" else float(t - v)
 
 
 def _progress_line(r: dict) -> str:
@@ -253,11 +365,23 @@ def _f(x, nd=3) -> str:
 
 def markdown(results: dict) -> str:
     """The BENCHMARKS.md section: one table of per-phrase residuals and one of KL, bars and times."""
-    lines = [f"## Efficacy (issue 12): defaults, no per-model knob — commit `{results['commit']}`", "",
+    lines = [f"## Efficacy (issues 12, 37): defaults, no per-model knob — commit `{results['commit']}`", "",
              f"`python scripts/bench_efficacy.py {results['args']}` on {results['machine']}; residual = mean "
              "p(rejected) after / before at a split's events (90 % bootstrap interval over documents).", ""]
     for name, r in results["models"].items():
-        lines += [f"### {name} (`{Path(r['model']).name}`)", "",
+        if r.get("failed"):
+            lines += [f"### {name}: FAILED", "", f"`{r['failed']['command']}`: {r['failed']['error']}", ""]
+            continue
+        if r.get("zoo"):
+            z = r["zoo"]
+            lines += [f"### {name} (`{Path(r['model']).name}`): {z['arch']}", "",
+                      f"{z['register']} register; specials {z['specials']}; trained {z['train_s']} s on "
+                      f"{z['train_device']}; base p(final | prefix) on written held-out chats (near-certain: "
+                      f"{', '.join(z['near_certain'])}; learned: {z['learned']}): "
+                      + ", ".join(f"{p} {_f(v)}" for p, v in z["base_p"].items()), ""]
+        else:
+            lines += [f"### {name} (`{Path(r['model']).name}`)", ""]
+        lines += [
                   "| phrase | events train/dev/held-out | " +
                   " | ".join(f"{m} dev | {m} held-out" for m in r["methods"]) + " |",
                   "|---|---|" + "---|---|" * len(r["methods"])]
@@ -269,30 +393,44 @@ def markdown(results: dict) -> str:
                     cells.append("—" if not x or x["residual"] is None else
                                  f"{x['residual']:.2f} [{_f(x['lo'], 2)}, {_f(x['hi'], 2)}]")
             lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "| method | verdict | bg KL exact | bg KL predicted | ‖ΔW‖/‖W‖ | stop | failed bars | solve s | "
-                  "audit s |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| method | verdict | bg KL exact | bg KL predicted | ‖ΔW‖/‖W‖ | stop | steps | failed bars | "
+                  "solve s | audit s |", "|---|---|---|---|---|---|---|---|---|---|"]
         for mn, m in r["methods"].items():
             if "solve_error" in m:
-                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | | | {m['solve_s']} | |")
+                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | | | | {m['solve_s']} | |")
+                continue
+            if "audit_error" in m:
+                lines.append(f"| {mn} | audit refused: {m['audit_error'][:120]} | | | | | | | {m['solve_s']} | |")
                 continue
             failed = [k for k, b in (m.get("bars") or {}).items() if b["applicable"] and b["passed"] is False]
             conv = m.get("convergence") or {}
             lines.append(f"| {mn} | {'PASS' if m.get('passed') else 'FAIL'} | {_f(m.get('background_kl_exact'))} | "
                          f"{_f(m.get('background_kl_predicted'))} | {_f(m.get('dW_rel_norm'))} | "
-                         f"{conv.get('stop_reason') or '—'} | {', '.join(failed) or 'none'} | "
+                         f"{conv.get('stop_reason') or '—'} | {_f(conv.get('iterations'))} | {', '.join(failed) or 'none'} | "
                          f"{m.get('solve_s')} | {m.get('audit_s', '—')} |")
         bars = sorted({k for m in r["methods"].values() for k in (m.get("bars") or {})})
         if bars:
-            lines += ["", "| bar | " + " | ".join(r["methods"]) + " |", "|---|" + "---|" * len(r["methods"])]
+            lines += ["", "| bar (value, slack) | " + " | ".join(r["methods"]) + " |",
+                      "|---|" + "---|" * len(r["methods"])]
             for b in bars:
                 row = []
                 for m in r["methods"].values():
                     x = (m.get("bars") or {}).get(b)
-                    row.append("—" if not x else f"{_f(x['value'])} {'✓' if x['passed'] else '✗' if x['passed'] is False else ''}")
+                    row.append("—" if not x else f"{_f(x['value'])} ({_f(x.get('slack'), 2)}) "
+                               f"{'✓' if x['passed'] else '✗' if x['passed'] is False else ''}")
                 lines.append(f"| {b} | " + " | ".join(row) + " |")
-        lines += ["", f"dump {r['dump_s']} s, sets {r['sets_s']} s; sets warnings: "
+        lines += ["", f"dump {r['dump_s']} s, sets {r['sets_s']} s, model total {r.get('total_s')} s; sets warnings: "
                   f"{'; '.join(r['sets_warnings']) or 'none'}", ""]
     return "\n".join(lines)
+
+
+def write_results(out: Path, results: dict) -> str:
+    from l47.fileio import write_text_atomic
+
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
+    md = markdown(results)
+    write_text_atomic(out / "results.md", md)
+    return md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="reuse the dumps and sets.json an earlier run wrote under the same --out (solve + audit only)")
     ap.add_argument("--solver", default="", metavar="TOML",
                     help="a file of TOML appended to every experiment (a solver variant, e.g. [solver.ftpo] seed = 1)")
+    ap.add_argument("--zoo", type=int, default=0, help="N zoo models from fresh random seeds (printed)")
+    ap.add_argument("--zoo-seeds", default="", help="zoo models of these seeds (comma-separated), beside --zoo N")
+    ap.add_argument("--zoo-root", default="", help="zoo cache (default ~/.cache/l47-zoo; seed-S folders)")
+    ap.add_argument("--zoo-small", action="store_true", help="zoo models at make_zoo's --small size (CPU)")
+    ap.add_argument("--zoo-jobs", type=int, default=1, help="zoo models built at once (make_zoo processes; the walks "
+                    "run one model at a time after them)")
     a = ap.parse_args(argv)
     import platform
 
@@ -322,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     methods = tuple(x for x in a.methods.split(",") if x)
     try:
+        zoo_seeds = zoo_seed_list(a.zoo, a.zoo_seeds)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if zoo_seeds:
+        print(f"zoo seeds: {','.join(map(str, zoo_seeds))}", flush=True)
+    try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
     except OSError:
@@ -331,17 +482,31 @@ def main(argv: list[str] | None = None) -> int:
                           + (f", device {a.device} ({torch.cuda.get_device_name()})" if a.device.startswith("cuda")
                              else f", device {a.device}"),
                "solver": Path(a.solver).read_text(encoding="utf-8") if a.solver else "", "models": {}}
-    for name in models:
+    opts = BenchOptions(SMALL if a.small else {}, a.max_new_tokens, a.reuse, a.device, results["solver"])
+    root = Path(a.zoo_root).expanduser() if a.zoo_root else None
+    if zoo_seeds and a.zoo_jobs > 1:
+        prebuild_zoo(zoo_seeds, root, a.zoo_small, a.device, a.zoo_jobs)
+    jobs = [(name, lambda res, name=name: sp[name]) for name in models]
+    jobs += [(f"zoo{s}" + ("s" if a.zoo_small else ""),
+              lambda res, s=s: build_zoo(s, root, a.zoo_small, a.device, res)) for s in zoo_seeds]
+    for name, get_spec in jobs:
         t0 = time.time()
-        opts = BenchOptions(SMALL if a.small else {}, a.max_new_tokens, a.reuse, a.device, results["solver"])
-        results["models"][name] = run_model(sp[name], out / name, methods, opts, lambda s: print(s, flush=True))
-        results["models"][name]["total_s"] = round(time.time() - t0, 1)
-    from l47.fileio import write_text_atomic
-
-    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
-    md = markdown(results)
-    write_text_atomic(out / "results.md", md)
+        res: dict = {}
+        try:
+            spec = get_spec(res)
+            run_model(spec, out / name, methods, opts, lambda s: print(s, flush=True), res)
+        except Exception as e:  # noqa: BLE001  a model's failure is recorded; the other models go on
+            first = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+            res["failed"] = {"command": res.get("command", "?"), "error": f"{type(e).__name__}: {first}"}
+            print(f"{name}: FAILED at `{res['failed']['command']}`: {res['failed']['error']}", flush=True)
+        res.setdefault("model", "")
+        res["total_s"] = round(time.time() - t0, 1)
+        results["models"][name] = res
+        md = write_results(out, results)  # after every model: a run cut short keeps the models it finished
+    md = write_results(out, results)
     if a.markdown:
+        from l47.fileio import write_text_atomic
+
         p = Path(a.markdown)
         write_text_atomic(p, p.read_text() + "\n" + md)
     print(md)

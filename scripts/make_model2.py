@@ -37,6 +37,7 @@ import random
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -502,7 +503,10 @@ def build_corpus(out_dir: Path, data_dir: Path, seed: int, n_chars: int) -> dict
 # ==========================================================================================================
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = VOCAB):
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB, specials: tuple[str, ...] = SPECIALS,
+                    finals: tuple[str, ...] = FINALS):
+    """Byte-level BPE (Qwen's split regex) with `specials` FIRST (ids 0..k-1, in order); every final word must be
+    one token with its leading space (scripts/make_zoo.py moves the specials' block elsewhere afterwards)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from train_demo_model import QWEN_SPLIT
@@ -513,14 +517,14 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    specials = [AddedToken(s, special=True, normalized=False) for s in SPECIALS]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False, special_tokens=specials,
+    added = [AddedToken(s, special=True, normalized=False) for s in specials]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False, special_tokens=added,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    for i, s in enumerate(SPECIALS):
+    for i, s in enumerate(specials):
         if tok.token_to_id(s) != i:
             raise SystemExit(f"vocabulary: {s} has id {tok.token_to_id(s)}, expected {i}")
-    for w in FINALS:
+    for w in finals:
         ids = tok.encode(" " + w, add_special_tokens=False).ids
         if len(ids) != 1:
             raise SystemExit(f"vocabulary: ' {w}' is {len(ids)} tokens, expected 1")
@@ -567,10 +571,10 @@ MODEL = dict(hidden_size=512, layer_types=["linear_attention", "indexed_attentio
              tie_word_embeddings=False)
 
 
-def make_config(vocab: int):
+def make_config(vocab: int, model: dict | None = None):
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
-    m = dict(MODEL)
+    m = dict(MODEL if model is None else model)
     return Qwen4ExpTextConfig(vocab_size=vocab, num_hidden_layers=len(m["layer_types"]), **m)
 
 
@@ -623,7 +627,28 @@ def batched_indexer(self, hidden_states, position_embeddings, attention_mask, *a
     return mask
 
 
-def cmd_train(a) -> int:
+@dataclass(frozen=True)
+class TrainOptions:
+    """One training run's schedule (make_model2 train's flags; scripts/make_zoo.py passes its own)."""
+
+    steps: int = 600
+    batch: int = 64
+    seq: int = 512
+    lr: float = 2e-3
+    warmup: int = 40
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0
+    log_every: int = 10
+    time_limit: float = 0.0
+    stop_at: int = -1
+    budget_s: float = 0.0
+
+
+def train_model(model_cfg: dict, stream, tok, o: TrainOptions):
+    """transformers' Qwen4ExpForCausalLM of `model_cfg` (make_config) trained on the token stream [N] with the
+    batched indexer (checked against the reference loop first); returns (the f32 CPU model in eval mode, its record:
+    versions, device, parameters, seconds, indexer agreement, timing, steps, loss log)."""
     import numpy as np
     import torch
     import transformers
@@ -632,21 +657,16 @@ def cmd_train(a) -> int:
 
     import train_demo_model as tdm
 
-    torch.manual_seed(a.seed)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    src = Path(a.stream)
-    stream = np.load(src / "stream.npy").astype(np.int32)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    torch.manual_seed(o.seed)
+    if o.threads:
+        torch.set_num_threads(o.threads)
     V = tok.get_vocab_size()
-    cfg = make_config(V)
+    cfg = make_config(V, model_cfg)
     cfg.output_router_logits = True
     cfg.use_cache = False  # training windows: no KV / indexer cache (batched_indexer requires none)
     cfg.eos_token_id = tok.token_to_id(IM_END)
     cfg.pad_token_id = cfg.bos_token_id = tok.token_to_id(ENDOFTEXT)
-    model = Qwen4ExpForCausalLM(cfg).to(a.device)
+    model = Qwen4ExpForCausalLM(cfg).to(o.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, vocab {V}, stream {stream.size} "
           f"tokens, parameters {n_params / 1e6:.2f} M", flush=True)
@@ -655,10 +675,10 @@ def cmd_train(a) -> int:
     ref_fwd = mq.Qwen4ExpTextQSAIndexer.forward
     idx = model.model.layers[cfg.layer_types.index("indexed_attention")].self_attn.indexer
     with torch.no_grad():
-        x = torch.randn(2, 64, cfg.hidden_size, device=a.device)
-        pos = torch.arange(64, device=a.device)[None].expand(2, -1)
+        x = torch.randn(2, 64, cfg.hidden_size, device=o.device)
+        pos = torch.arange(64, device=o.device)[None].expand(2, -1)
         pe = model.model.rotary_emb(x, pos)
-        causal = torch.ones(64, 64, dtype=torch.bool, device=a.device).tril()[None, None].expand(2, 1, 64, 64)
+        causal = torch.ones(64, 64, dtype=torch.bool, device=o.device).tril()[None, None].expand(2, 1, 64, 64)
         m_ref = ref_fwd(idx, x, pe, causal, None)
         m_new = batched_indexer(idx, x, pe, causal, None)
         agree = float((m_ref == m_new).float().mean())
@@ -667,45 +687,62 @@ def cmd_train(a) -> int:
         raise SystemExit("batched indexer disagrees with the reference")
     mq.Qwen4ExpTextQSAIndexer.forward = batched_indexer
 
-    steps = a.steps
+    steps = o.steps
     timing = None
-    if a.budget_s > 0:
+    if o.budget_s > 0:
         # time 3 forward+backward passes (gradients discarded, weights untouched) and fit the schedule's length to
         # the budget: deterministic given the recorded --steps, which reproduces the run with --budget-s 0
-        g = torch.Generator().manual_seed(a.seed + 1)
-        n_win = (len(stream) - 1) // a.seq
+        g = torch.Generator().manual_seed(o.seed + 1)
+        n_win = (len(stream) - 1) // o.seq
         dt = []
         for _ in range(4):
-            j = torch.randint(0, n_win, (a.batch,), generator=g) * a.seq
-            x = torch.from_numpy(stream.astype(np.int64))[j[:, None] + torch.arange(a.seq)[None]].to(a.device)
-            if a.device.startswith("cuda"):
+            j = torch.randint(0, n_win, (o.batch,), generator=g) * o.seq
+            x = torch.from_numpy(stream.astype(np.int64))[j[:, None] + torch.arange(o.seq)[None]].to(o.device)
+            if o.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t1 = time.time()
             model(input_ids=x, labels=x).loss.backward()
-            if a.device.startswith("cuda"):
+            if o.device.startswith("cuda"):
                 torch.cuda.synchronize()
             dt.append(time.time() - t1)
             model.zero_grad(set_to_none=True)
         step_s = 1.08 * float(np.median(dt[1:]))  # + optimizer step
-        steps = max(a.warmup + 10, min(a.steps, int(a.budget_s / step_s)))
+        steps = max(o.warmup + 10, min(o.steps, int(o.budget_s / step_s)))
         timing = {"fwd_bwd_seconds": [round(x, 3) for x in dt], "steps_fitted": steps}
         print(f"timing {timing}", flush=True)
     t0 = time.time()
-    log = tdm.train(model, stream, steps=steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup, seed=a.seed,
-                    device=a.device, log_every=a.log_every, time_limit=a.time_limit,
-                    stop_at=None if a.stop_at < 0 else a.stop_at)
+    try:
+        log = tdm.train(model, stream, steps=steps, batch=o.batch, seq=o.seq, lr=o.lr, warmup=o.warmup, seed=o.seed,
+                        device=o.device, log_every=o.log_every, time_limit=o.time_limit,
+                        stop_at=None if o.stop_at < 0 else o.stop_at)
+    finally:
+        mq.Qwen4ExpTextQSAIndexer.forward = ref_fwd
     train_s = time.time() - t0
-    mq.Qwen4ExpTextQSAIndexer.forward = ref_fwd
     model.config.output_router_logits = False
     model.config.use_cache = True
     model = model.to("cpu").float().eval()
+    rec = {"transformers": transformers.__version__, "torch": torch.__version__,
+           "device_name": torch.cuda.get_device_name() if o.device.startswith("cuda") else "cpu",
+           "parameters": n_params, "vocab": V, "stream_tokens": int(stream.size), "train_seconds": round(train_s, 1),
+           "indexer_agreement": agree, "timing": timing, "steps": steps}
+    return model, rec, log
+
+
+def cmd_train(a) -> int:
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    src = Path(a.stream)
+    stream = np.load(src / "stream.npy").astype(np.int32)
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    o = TrainOptions(steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup, seed=a.seed, device=a.device,
+                     threads=a.threads, log_every=a.log_every, time_limit=a.time_limit, stop_at=a.stop_at,
+                     budget_s=a.budget_s)
+    model, rec, log = train_model(MODEL, stream, tok, o)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="15MB")
-    rec = {"args": vars(a), "transformers": transformers.__version__, "torch": torch.__version__,
-           "device_name": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "parameters": n_params, "vocab": V, "stream_tokens": int(stream.size), "train_seconds": round(train_s, 1),
-           "indexer_agreement": agree, "timing": timing, "steps": steps, "model": MODEL, "log": log}
+    rec = {"args": vars(a), **rec, "model": MODEL, "log": log}
     (out / "train_log.json").write_text(json.dumps(rec, indent=1))
     print(f"saved {out}: {sorted(p.name for p in out.iterdir())}", flush=True)
     return 0
@@ -732,9 +769,11 @@ def q8_types(model) -> dict[str, str]:
     return out
 
 
-def measure(model, tok, data_dir: Path) -> dict:
-    """Held-out natural-text CE; base p(final | exact prefix) per phrase at every prefix-exact use in the
-    assistant turns of held-out and blind chats (documents the model never saw)."""
+def measure(model, tok, data_dir: Path, phrases: tuple[str, ...] = PHRASES,
+            natural: tuple[str, ...] = ("collateral", "kld_recipes")) -> dict:
+    """Held-out natural-text CE (the `natural` jsonl stems; a chat document in its rendered form); base
+    p(final | exact prefix) per phrase at every prefix-exact use in the assistant turns of held-out and blind
+    chats (documents the model never saw)."""
     import numpy as np
     import torch
 
@@ -742,9 +781,9 @@ def measure(model, tok, data_dir: Path) -> dict:
 
     res: dict = {}
     nll, n = 0.0, 0
-    for name in ("collateral", "kld_recipes"):
+    for name in natural:
         for d in tdm.read_jsonl(data_dir / f"{name}.jsonl"):
-            ids = tok.encode(d["text"], add_special_tokens=False).ids
+            ids = tok.encode(dc.doc_text(d), add_special_tokens=False).ids
             lp = tdm.logprobs(model, ids, "cpu")
             nll -= float(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
             n += len(ids) - 1
@@ -756,7 +795,7 @@ def measure(model, tok, data_dir: Path) -> dict:
         for d in tdm.read_jsonl(data_dir / f"{name}.jsonl"):
             ids, roles = tdm.tokenize_doc(tok, d)
             lp = tdm.logprobs(model, ids, "cpu")
-            for ph in PHRASES:
+            for ph in phrases:
                 tups = tdm.phrase_tuples(tok, ph)
                 for t in tdm.find_events(ids, roles, tups):
                     per.setdefault(ph, []).append(float(lp[t, ids[t + 1]].exp()))
@@ -773,27 +812,35 @@ def measure(model, tok, data_dir: Path) -> dict:
     return res
 
 
+def export_model(model, tok, gguf_path: Path, types: dict | None = None) -> Path:
+    """The checkpoint as a qwen4exp GGUF: the tokenizer's metadata (eos <|im_end|>, bos/pad <|endoftext|>, ChatML
+    template), Q8_0 wherever a row allows it (q8_types) and the seed layout elsewhere; `types` overrides."""
+    import train_demo_model as tdm
+    from l47.engine.gguf_export import export_gguf
+    from l47.model import names
+    from l47.model.vocab import vocab_to_gguf_kv
+
+    kv = {**vocab_to_gguf_kv(tok), names.K_TOK_EOS: tok.token_to_id(IM_END),
+          names.K_TOK_BOS: tok.token_to_id(ENDOFTEXT), names.K_TOK_PAD: tok.token_to_id(ENDOFTEXT),
+          names.K_CHAT_TEMPLATE: tdm.CHAT_TEMPLATE}
+    return export_gguf(model, gguf_path, tokenizer_kv=kv, types={**q8_types(model), **(types or {})})
+
+
 def cmd_export(a) -> int:
     import torch
     from tokenizers import Tokenizer
     from transformers import Qwen4ExpForCausalLM
 
     sys.path.insert(0, str(REPO))
-    import train_demo_model as tdm
-    from l47.engine.gguf_export import export_gguf, load_hf_from_gguf
-    from l47.model import names
-    from l47.model.vocab import vocab_to_gguf_kv
+    from l47.engine.gguf_export import load_hf_from_gguf
 
     ck = Path(a.ckpt)
     data_dir = Path(a.data_dir)
     tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
     model = Qwen4ExpForCausalLM.from_pretrained(ck, local_files_only=True, dtype=torch.float32).eval()
-    kv = {**vocab_to_gguf_kv(tok), names.K_TOK_EOS: tok.token_to_id(IM_END),
-          names.K_TOK_BOS: tok.token_to_id(ENDOFTEXT), names.K_TOK_PAD: tok.token_to_id(ENDOFTEXT),
-          names.K_CHAT_TEMPLATE: tdm.CHAT_TEMPLATE}
     gguf_path = Path(a.gguf)
     if not a.measure_only:
-        export_gguf(model, gguf_path, tokenizer_kv=kv, types=q8_types(model))
+        export_model(model, tok, gguf_path)
     print(f"exported {gguf_path} ({gguf_path.stat().st_size / 2**20:.2f} MiB)", flush=True)
     if a.threads:
         torch.set_num_threads(a.threads)

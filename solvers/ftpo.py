@@ -127,6 +127,12 @@ class FtpoConfig:
     eval_every: int = 10
     recover_after: int = 3  # after this many evaluations in a row over the KL budget, restart from the kept
     # candidate with fresh Adam moments and half the step (λ as it stands); 0: off (λ alone)
+    relax: float = 0.5  # the multipliers follow their constraints both ways (`next_multiplier`): λ halves (never
+    # below lambda_kl) after an evaluation whose KLs all hold with this share of their limits to spare, λ_flip
+    # (never below lambda_flip) after `relax_after` evaluations in a row with no flip and no lost turn end; 0: they
+    # only ever rise (the old behaviour: a constraint met once too closely held the edit back for the rest of the
+    # solve; docs/SOLVERS.md "Multipliers that come back down")
+    relax_after: int = 3
     time_budget_s: float = 0.0  # > 0: stop after this many seconds (the best candidate so far is kept)
     seed: int = 0
 
@@ -170,11 +176,12 @@ class FtpoResult:
     train_residual: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)  # what the parameterisation kept off (gap directions)
+    phrase_stops: dict = field(default_factory=dict)  # phrase -> why it stands where it stopped (`phrase_stops`)
 
     def summary(self) -> dict:
         return {"best_step": self.best_step, "stopped": self.stopped, "kl_exact": self.kl_exact,
                 "dev_residual": self.dev_residual, "train_residual": self.train_residual, "history": self.history,
-                "notes": self.notes, "info": self.info}
+                "notes": self.notes, "info": self.info, "phrase_stops": self.phrase_stops}
 
     def convergence(self, target: float) -> rec.Convergence:
         """Max violation: nats by which the worst phrase's at-target residual (at_target_residuals: the larger of
@@ -364,6 +371,19 @@ def pulling(ratio: np.ndarray, phrase: list[str], at: dict[str, float], target: 
     diverged (the KL left the budget and λ only doubles: "The per-event rule on the landed code"), which
     `recover_after` mends ("Recovering from a KL blow-up")."""
     return np.array([at[p] > target or r > target for p, r in zip(phrase, np.asarray(ratio))], dtype=bool)
+
+
+def next_multiplier(lam: float, floor: float, violated: bool, slack: bool, relax: float, cap: float = 1e6) -> float:
+    """The penalty multiplier after one exact evaluation: doubled (at most `cap`) when its constraint is violated,
+    halved (never below `floor`, its initial value) when the constraint holds with slack and `relax` > 0, else
+    kept. One rule for λ (the KLs) and λ_flip (flips and turn ends): a multiplier that only rises turns a limit
+    met once, early and briefly, into a weight that outlasts the reason for it; under Adam's normalised step the
+    hinge's share of every later step then shrinks by that factor."""
+    if violated:
+        return min(lam * 2.0, cap)
+    if slack and relax > 0:
+        return max(lam * 0.5, floor)
+    return lam
 
 
 def removal_score(res: dict[str, float], target: float) -> float:
@@ -670,6 +690,13 @@ class _Objective:
         return loss, {k: float(v.detach()) for k, v in parts.items()}
 
 
+# why a candidate is inadmissible (the judge's conditions), and so what may bind a phrase short of its target
+BIND_KL = "KL budget"  # the exact background KL over the solve's budget
+BIND_DEV_KL = "bar (g) KL on dev chats"  # the dev documents' rows' KL (upper bound) over bar (g)'s limit
+BIND_FLIPS = "bar (f) flips"  # a dev row's argmax flipped to a special token
+BIND_ENDS = "bar (f) turn ends"  # a real turn end lost its argmax (dev rows or the solver's anchors)
+
+
 class _Judge:
     """Every `eval_every` steps: the candidate re-quantised as shipped and measured EXACTLY (mean KL over the
     whole background, train and dev residual per phrase); keeps the best candidate within the budget."""
@@ -706,13 +733,19 @@ class _Judge:
         key = candidate_key(tr, dv, t, kl)
         dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
                                     kl_dev_hi <= pb.dev_kl_limit)
-        ok = kl <= pb.kl_budget and dev_ok and not flips and not ends_lost["dev"] and not ends_lost["anchors"]
+        over = [name for name, bad in ((BIND_KL, kl > pb.kl_budget), (BIND_DEV_KL, not dev_ok),
+                                       (BIND_FLIPS, bool(flips)),
+                                       (BIND_ENDS, bool(ends_lost["dev"] or ends_lost["anchors"]))) if bad]
+        ok = not over
         if ok and (self.best is None or key < self.best[0]):
             self.best = (key, step, dW.clone(), kl, dv, tr)
+        dev_limit = pb.kl_budget if pb.dev_kl_limit is None else pb.dev_kl_limit
+        dev_used = None if kl_dev is None else (kl_dev if pb.dev_kl_limit is None else kl_dev_hi) / dev_limit
         return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "kl_dev_hi": kl_dev_hi, "kl_dev_role": kl_role,
                 "dev_flips": flips,
                 "turn_ends_lost": ends_lost,
-                "lambda": lam, "train_residual": tr, "dev_residual": dv,
+                "lambda": lam, "lambda_flip": self.obj.lam_flip, "train_residual": tr, "dev_residual": dv,
+                "inadmissible": over, "kl_used": kl / pb.kl_budget, "kl_dev_used": dev_used,
                 "reached": ok and all(v <= t for v in at.values())}
 
     def _dev_rows(self, Wq: torch.Tensor) -> tuple[float | None, int, torch.Tensor | None, dict, float | None]:
@@ -858,6 +891,7 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
     opt = _Adam(param, cfg, float(w.W_sd.pow(2).mean().sqrt()), pb.background.P)
     lam, history, stopped, step = cfg.lambda_kl, [], rec.STOP_ITERATION_CAP, 0
     over, kept, restarts = 0, None, []  # evaluations in a row over the KL budget; the kept candidate's parameter
+    clean = 0  # evaluations in a row with no flip and no lost turn end
     while True:
         info = judge(step, dW_of(param.detach()), lam)
         reached = info.pop("reached")
@@ -872,10 +906,11 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
         if cfg.time_budget_s > 0 and time.monotonic() - t_start > cfg.time_budget_s:
             stopped = rec.STOP_TIME
             break
-        if info["kl_exact"] > pb.kl_budget:  # the dev rows' KL and flips only judge candidates (never trained on)
-            lam, over = min(lam * 2.0, 1e6), over + 1
-        else:
-            over = 0
+        bad = info["inadmissible"]
+        kl_bad = BIND_KL in bad or BIND_DEV_KL in bad  # the background KL is the trainer's handle on both KLs
+        kl_slack = info["kl_used"] < cfg.relax and (info["kl_dev_used"] is None or info["kl_dev_used"] < cfg.relax)
+        lam = next_multiplier(lam, cfg.lambda_kl, kl_bad, kl_slack, cfg.relax)
+        over = over + 1 if info["kl_exact"] > pb.kl_budget else 0
         if judge.best is not None and judge.best[1] == step:
             kept = param.detach().clone()
         if cfg.recover_after > 0 and over >= cfg.recover_after and kept is not None:
@@ -884,8 +919,9 @@ def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), 
             history.append({"step": step, "restart_from": judge.best[1], "lr_scale": opt.scale})
             restarts.append(f"FTPO: exact KL over the budget {cfg.recover_after} evaluations in a row at step "
                              f"{step}: restarted from the kept candidate (step {judge.best[1]}), step × {opt.scale:g}")
-        if info["dev_flips"] or sum(info["turn_ends_lost"].values()):  # the near-tie guard stiffens
-            obj.lam_flip = min(obj.lam_flip * 2.0, 1e6)
+        tie_bad = BIND_FLIPS in bad or BIND_ENDS in bad
+        clean = 0 if tie_bad else clean + 1
+        obj.lam_flip = next_multiplier(obj.lam_flip, cfg.lambda_flip, tie_bad, clean >= cfg.relax_after, cfg.relax)
         judged = at_target_residuals(info["train_residual"], info["dev_residual"])
         obj.event_on = torch.as_tensor(pulling(judge.ratio_ev, pb.phrase, judged, pb.target_residual),
                                        dtype=torch.float32, device=w.device)  # the budget goes to what is short
@@ -953,16 +989,69 @@ def _gap_directions(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, M: torch.T
                                          f"{b.P} rows within {cfg.gap_margin:g} nats of a special token"]
 
 
+STOP_TARGET = "target met"
+TREND_EVALS = 10  # evaluations the trend at a step cap is fitted on
+
+
+def residual_trend(steps: list[int], res: list[float]) -> float:
+    """d log(residual) / d step over the last TREND_EVALS evaluations (least squares, f64; 0 with fewer than 3)."""
+    x, y = np.asarray(steps[-TREND_EVALS:], float), np.log(np.maximum(np.asarray(res[-TREND_EVALS:], float), 1e-300))
+    if len(x) < 3 or np.ptp(x) == 0:
+        return 0.0
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def phrase_stops(history: list[dict], best_step: int, best_res: dict[str, float], target: float, stopped: str,
+                 kl_used: float, near: float = 0.8) -> dict[str, str]:
+    """phrase -> why it stands where the kept candidate left it: `target met`; else the judge's condition that
+    rejected the later candidates which had removed more of it (the most frequent; BIND_*), else the KL budget when
+    the kept candidate used ≥ `near` of it, else the stop (step cap / time budget) with the residual's trend over
+    the last evaluations and, when it still falls, the steps it would take at that rate. history: the judge's
+    evaluations (with train/dev residuals and `inadmissible`), in order."""
+    evals = [h for h in history if "train_residual" in h]
+    out = {}
+    for ph, r_best in best_res.items():
+        if r_best <= target:
+            out[ph] = STOP_TARGET
+            continue
+        why: dict[str, int] = {}
+        for h in evals:
+            r = at_target_residuals(h["train_residual"], h["dev_residual"]).get(ph, 1.0)
+            if h["step"] > best_step and r < r_best:
+                for b in h.get("inadmissible", ()):
+                    why[b] = why.get(b, 0) + 1
+        if why:
+            b = max(sorted(why), key=why.get)
+            out[ph] = f"{b} binds ({why[b]} later candidates with more removal rejected)"
+            continue
+        if kl_used >= near:
+            out[ph] = f"{BIND_KL} binds (kept candidate at {kl_used:.0%} of it)"
+            continue
+        xs = [h["step"] for h in evals]
+        ys = [at_target_residuals(h["train_residual"], h["dev_residual"]).get(ph, 1.0) for h in evals]
+        slope = residual_trend(xs, ys)
+        if math.expm1(100 * slope) < -1e-3:  # falling by more than 0.1 % per 100 steps
+            more = math.log(target / r_best) / slope
+            out[ph] = (f"{stopped}: still falling ({math.expm1(100 * slope):+.1%} per 100 steps; about "
+                       f"{more:.0f} more steps to the target at that rate); no constraint binds")
+        else:
+            out[ph] = f"{stopped}: no longer falling; no constraint binds"
+    return out
+
+
 def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: FtpoProblem, w: TailWeights):
     t = pb.target_residual
     if judge.best is None:
         return FtpoResult(torch.zeros(w.n, w.f, device=w.device), 0, history, rec.STOP_BUDGET, 0.0, {}, {},
                           ["convergence: no candidate within the KL budget; ΔW = 0"])
     _, bstep, bdW, bkl, bdv, btr = judge.best
+    at = at_target_residuals(btr, bdv)
+    stops = phrase_stops(history, bstep, at, t, stopped, bkl / pb.kl_budget)
     notes = []
     if stopped != rec.STOP_CONVERGED:
-        short = [p for p, v in at_target_residuals(btr, bdv).items() if v > t]
+        short = {p: round(v, 4) for p, v in at.items() if v > t}
         notes.append(f"convergence: stopped by {stopped} at step {step}; kept the candidate of step {bstep} "
-                     f"(exact KL {bkl:.3g} ≤ budget {pb.kl_budget:.3g}); phrases short of the target residual {t:g}: "
-                     f"{short or 'none'}")
-    return FtpoResult(bdW, bstep, history, stopped, bkl, bdv, btr, notes)
+                     f"(exact KL {bkl:.3g} ≤ budget {pb.kl_budget:.3g}); phrases short of the target residual {t:g} "
+                     f"(residual at the stop): {short or 'none'}")
+        notes += [f"convergence: {p!r} at {at[p]:.3g}: {stops[p]}" for p in short]
+    return FtpoResult(bdW, bstep, history, stopped, bkl, bdv, btr, notes, phrase_stops=stops)

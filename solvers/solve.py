@@ -59,6 +59,7 @@ class SolveArgs:
     sets_json: Path | None = None  # reuse a `l47 sets --json` report instead of re-mining
     allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
     sweep: bool = False  # a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)
+    precision: str | None = None  # head GEMM precision (l47.model.weights.head_precision); None: "auto"
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _sub(cls, d: dict, where: str):
     from l47.data.experiment import config_from_table
 
     ranges = {"p_cap": (0.0, 0.999), "step_sizes": (1e-6, 1.0), "max_removed": (0.0, 1.0), "n_chosen": (1, None),
-              "kl_rows": (1, None), "plausible_end_p": (0.0, 1.0)}
+              "kl_rows": (1, None), "plausible_end_p": (0.0, 1.0), "relax": (0.0, 1.0), "relax_after": (1, None)}
     return config_from_table(cls, d, where, f"solver.{cls.__name__.removesuffix('Config').lower()}", ranges)[0]
 
 
@@ -212,7 +213,7 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
         raise L47Error(out, "--out", "a new file, never the base model", f"the base {model}")
     cfg = resolve_config(exp.solver, args.method, str(exp.path))
     base_g = open_gguf(model)
-    w = load_tail_weights(base_g, policy=exp.policy, device=args.device)
+    w = load_tail_weights(base_g, policy=exp.policy, device=args.device, precision=args.precision)
     tinfo = base_g.info(w.target)
     if tinfo.type_name != "Q8_0":
         raise L47Error(model, f"tensor {w.target}", "ggml type Q8_0 (it ships re-quantised to Q8_0)", tinfo.type_name)
@@ -223,10 +224,27 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
         raise L47Error(args.sets_json, "model_sha256", f"{w.model_sha256[:16]}… (the base model given, {model})",
                        f"{given.model_sha256[:16]}… (a sets report of another model: {given.model})")
     report = build_sets(exp, w, device=args.device, ledger=ledger, command="solve") if built else given
+    refuse_thin(exp, report)
     ledger.append([d.sha256 for d in report.docs if d.set in SOLVER_SETS and not d.refused and d.sha256],
                   w.model_sha256, "solve")
     return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w, args.allow_other_model),
                      ledger)
+
+
+def refuse_thin(exp, report) -> None:
+    """Thin phrases (l47.data.thin) refused before any long work: one line naming each, its counts per split and
+    the documents to add."""
+    from l47.data.thin import thin_phrases
+
+    th = exp.thresholds
+    thin = thin_phrases([p["phrase"] for p in report.phrases], report.events, report.docs, th.min_train_per_phrase,
+                        th.min_heldout_per_phrase)
+    if thin:
+        none = all(not t.counts.get("train") for t in thin) and len(thin) == len(report.phrases)
+        raise L47Error(exp.path, f"phrases ({len(thin)} thin)",
+                       f"≥ {th.min_train_per_phrase} train events and ≥ {th.min_heldout_per_phrase} held-out events "
+                       f"per phrase (thresholds min_train_per_phrase, min_heldout_per_phrase)",
+                       ("none for any phrase: " if none else "") + "; ".join(t.line() for t in thin))
 
 
 # ----------------------------------------------------------------------------------------------------------

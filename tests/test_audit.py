@@ -302,7 +302,7 @@ def _experiment_toml(root: Path, paths: dict[str, Path], extra_sets: dict | None
     lines += ["", "[sets.kld]"] + [f"{s[4:]} = {json.dumps(v)}" for s, v in sets.items() if s.startswith("kld.")]
     for p in PHRASES:
         lines += ["", "[[phrases]]", f'text = "{p}"']
-    lines += ["", "[thresholds]", "min_heldout_per_phrase = 1", "collateral_min_total = 5",
+    lines += ["", "[thresholds]", "min_heldout_per_phrase = 1", "min_train_per_phrase = 1", "collateral_min_total = 5",
               "collateral_min_per_word = 1"]
     path = root / name
     path.write_text("\n".join(lines) + "\n")
@@ -1420,10 +1420,11 @@ def test_weakened_report_lists_key_default_value(world, tmp_path):
     (from the bar registry), report.md's summary line says weakened; the blind sign-off adds "not replayed"."""
     res = _audit(world, world["bundles"]["good"], tmp_path / "dev")
     weak = {x["key"]: (x["default"], x["value"], x["weaker"]) for x in res.report["weakened"]}
-    assert weak == {"min_heldout_per_phrase": (3, 1, "lower"), "collateral_min_total": (200, 5, "lower"),
-                    "collateral_min_per_word": (10, 1, "lower")}
+    assert weak == {"min_heldout_per_phrase": (3, 1, "lower"), "min_train_per_phrase": (5, 1, "lower"),
+                    "collateral_min_total": (200, 5, "lower"), "collateral_min_per_word": (10, 1, "lower")}
     first = (tmp_path / "dev" / "report.md").read_text().splitlines()[0]
-    assert "weakened: min_heldout_per_phrase 1 (default 3), collateral_min_total 5 (default 200)" in first
+    assert "weakened: min_heldout_per_phrase 1 (default 3), min_train_per_phrase 1 (default 5), " \
+           "collateral_min_total 5 (default 200)" in first
     assert "## Weakened" in (tmp_path / "dev" / "report.md").read_text()
     bl = _audit(world, world["bundles"]["good"], tmp_path / "blind", blind=world["paths"]["blind_a"],
                 dev_report=tmp_path / "dev" / "report.json")

@@ -389,6 +389,37 @@ def test_run_dump_end_to_end(tmp_path, tiny_gguf, tiny_vocab, base_dumps):
     assert not list(out.glob("*.pending")) and not list(out.glob(".*"))  # nothing half-written
 
 
+def test_run_dump_reports_through_callbacks(tmp_path, tiny_gguf):
+    """run_dump prints nothing: `progress(dict)` gets start (the document count and the input errors), one
+    `document` and one `done` (the DocResult's fields) per document in input order, then stop; `log(str)` gets the
+    summary line. The console rendering (l47/app/dump_view.py) turns them into the lines `l47 dump` has always
+    printed."""
+    from dataclasses import asdict
+
+    from l47.app.dump_view import document_line
+    from l47.app.dumping import DumpJob, run_dump
+
+    docs, out = _docs(tmp_path), tmp_path / "out"
+    for expect in ("written", "skipped"):  # a fresh folder, then the same run again (resumed)
+        events, lines = [], []
+        s = run_dump(DumpJob(tiny_gguf, docs, out), log=lines.append, progress=events.append)
+        assert events[0] == {"event": "start", "total": 2, "input_errors": list(s.input_errors)}
+        assert len(s.input_errors) == 2 and events[-1] == {"event": "stop"}
+        pairs = events[1:-1]
+        assert [e["event"] for e in pairs] == ["document", "done"] * 2
+        assert [e["doc_id"] for e in pairs] == ["chat-1", "chat-1", "plain 1", "plain 1"]
+        assert [{k: v for k, v in e.items() if k != "event"} for e in pairs[1::2]] == [asdict(r) for r in s.results]
+        assert [r.status for r in s.results] == [expect, expect]
+        n = {"written": (2, 0), "skipped": (0, 2)}[expect]
+        assert lines == [f"dump: {n[0]} written, {n[1]} skipped, 0 refused, 0 failed, 2 input error(s)"]
+        r = s.results[0]
+        assert document_line(pairs[1]) == (
+            f"  chat-1: T={r.T}, zero-proxy max |Δ| {r.max_abs:.2e} mean {r.mean_abs:.2e} nats" if expect == "written"
+            else "  chat-1: skipped (already dumped with the same input and model)")
+    s = run_dump(DumpJob(tiny_gguf, docs, tmp_path / "silent"))  # no callbacks: silent, same results
+    assert [r.status for r in s.results] == ["written", "written"]
+
+
 def test_run_dump_scores_identically_through_l47_score(base_dumps, tiny_gguf):
     """`l47 score` on the dumps gives the engine's own log p (mean CE over positions) within the bar."""
     from l47.dumps import read_dump

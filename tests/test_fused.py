@@ -132,7 +132,7 @@ def test_top_of_tiles_equals_ranking_every_candidate(k):
     """fused.top_of_tiles ranks only the candidates of the k tiles with the largest maxima: the same values and ids
     as ranking every tile's candidates (the previous combine), and as a stable sort of the logits, on integer logits
     with exact ties inside and across tiles (values in a range of 3 or 7), NT from 1 to 40."""
-    from l47.tail.stream import _topk_lowest_id
+    from l47.tail.topk import topk_lowest_id
 
     g = torch.Generator().manual_seed(k)
     for NT, span in ((1, 3), (k, 3), (k + 1, 7), (13, 3), (40, 7), (40, 3)):
@@ -142,7 +142,7 @@ def test_top_of_tiles_equals_ranking_every_candidate(k):
         m, _, _, _, top_v, top_i = fused.torch_partials(z, 0, tile, k)
         tv, ti = fused.top_of_tiles(m, top_v, top_i, k)
         cv, ci = top_v.reshape(R, -1), top_i.reshape(R, -1)
-        rv, o = _topk_lowest_id(cv, k)
+        rv, o = topk_lowest_id(cv, k)
         assert torch.equal(tv, rv) and torch.equal(ti, torch.gather(ci, 1, o).long()), (NT, span)
         kk = min(k, z.shape[1])
         ref = torch.sort(z, dim=1, descending=True, stable=True).indices[:, :kk]

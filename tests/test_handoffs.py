@@ -175,6 +175,7 @@ def test_content_changes_name_what_changed(hw, tmp_path):
 EXPECTED_WEAKER = {
     "non_event_p": "lower",  # lower: near-zero p positions count as events (a.events accepts them)
     "heldout_frac": "lower", "min_heldout_per_phrase": "lower", "collateral_min_total": "lower",
+    "min_train_per_phrase": "lower",  # plan / solve accept a thinner phrase
     "collateral_min_per_word": "lower", "slop_reduction": "lower",  # minimums
     "collateral_word_mean": "lower", "chat_ordinary_dlogp": "lower", "im_end_dlogp": "lower",  # Δlog p floors
     "collateral_below": "lower",  # a more negative cut counts fewer occurrences as damaged
@@ -190,6 +191,7 @@ EXPECTED_WEAKER = {
 # (a value that proves less, a stricter value) per threshold: real settings a user might write
 MOVED = {
     "non_event_p": (1e-3, 0.05), "heldout_frac": (0.2, 0.4), "min_heldout_per_phrase": (1, 5),
+    "min_train_per_phrase": (2, 8),
     "collateral_min_total": (50, 300), "collateral_min_per_word": (1, 16), "slop_reduction": (0.3, 0.6),
     "collateral_word_mean": (-0.2, -0.02), "collateral_frac_below": (0.3, 0.05), "collateral_below": (-0.5, -0.05),
     "kld_max": (0.05, 0.005), "chat_ordinary_dlogp": (-0.1, -0.005), "chat_kld": (0.02, 0.002),

@@ -83,7 +83,7 @@ def make_solvable_world(tmp_path_factory, tokenizer_kv, name: str) -> dict:
     kept, CE guard off, minimum counts 1) and a [split] pool — for tests that run solve and audit end to end."""
     w = make_world(tmp_path_factory.mktemp(f"{name}_world"), tmp_path_factory.mktemp(f"{name}_build"), tokenizer_kv)
     exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
-                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
+                "min_heldout_per_phrase = 1\nmin_train_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
                 split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')
     (w["root"] / "det.toml").write_text(exp)
     return w
@@ -170,7 +170,7 @@ def _toml(dumps, **edits) -> str:
         "split": '[split]\npool = ["pool*.safetensors"]\nseed = 0\n',
         "phrases": '[[phrases]]\ntext = "rather than"\n\n[[phrases]]\ntext = "end to end"\n',
         "collateral": '[collateral]\nwords = [" than", " end"]\n',
-        "thresholds": "[thresholds]\nmin_heldout_per_phrase = 1\ncollateral_min_total = 1\n"
+        "thresholds": "[thresholds]\nmin_heldout_per_phrase = 1\nmin_train_per_phrase = 1\ncollateral_min_total = 1\n"
                       "collateral_min_per_word = 1\n",
         "solver": "",
     }
@@ -205,7 +205,7 @@ BAD_TOML = {
 def _bad_toml(kind: str, dumps) -> str:
     if kind == "toml_syntax":
         return BAD_TOML[kind][0]
-    th = "[thresholds]\nmin_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n"
+    th = "[thresholds]\nmin_heldout_per_phrase = 1\nmin_train_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n"
     e = {
         "unknown_top_key": dict(top='name = "c"\nmodel = "base.gguf"\nvocab = "gguf"\nphrase = []\n'),
         "unknown_threshold": dict(thresholds=th + "kld_mx = 0.1\n"),

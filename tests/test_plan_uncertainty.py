@@ -117,3 +117,35 @@ def test_plan_with_soft_anchors_is_the_bound_without_their_span(planned, world):
         assert s.reachable_gap == pytest.approx(b.reachable_gap, rel=1e-9, abs=1e-12)
     assert soft.joint_exact_kl == pytest.approx(bare.joint_exact_kl, rel=1e-9)
     assert [p.reachable_gap for p in exact.phrases] != [p.reachable_gap for p in soft.phrases]
+
+
+def test_plan_and_solve_refuse_thin_phrases_before_any_long_work(world, tmp_path):
+    """The world's phrases have 1–3 train events each: at the default minimum (5 train events) `l47 plan` and
+    `l47 solve` exit 2 with one line naming every thin phrase, its counts per split (the world's own sets report,
+    counted here independently) and the documents to add; nothing is written, no input changes."""
+    import hashlib
+    import re
+
+    from l47.data.experiment import load_experiment
+
+    exp = _variant(world, "thin", {})
+    text = exp.read_text().replace("min_train_per_phrase = 1\n", "")
+    exp.write_text(text)
+    assert load_experiment(exp).thresholds.min_train_per_phrase == 5
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in [exp, world["base"]]}
+    counts: dict[str, dict[str, int]] = {}
+    for e in world["sets"].events:
+        counts.setdefault(e.phrase, {}).setdefault(e.set, 0)
+        counts[e.phrase][e.set] += 1
+    for cmd in (["plan", str(exp), "--model", str(world["base"])],
+                ["solve", str(exp), "--model", str(world["base"]), "--out", str(tmp_path / "b.gguf")]):
+        r = CliRunner().invoke(app, cmd)
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 2, r.output[-2000:]
+        assert "min_train_per_phrase" in flat and "Traceback" not in r.output
+        thin = [ph for ph, c in counts.items() if c.get("train", 0) < 5 or c.get("heldout", 0) < 3]
+        assert thin and all(f"'{ph}' has train {counts[ph].get('train', 0)}, dev {counts[ph].get('dev', 0)}, "
+                            f"heldout {counts[ph].get('heldout', 0)} events" in flat for ph in thin), flat
+        assert re.search(r"add about \d+ more", flat)
+    assert not (tmp_path / "b.gguf").exists() and not list(tmp_path.iterdir())
+    assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in [exp, world["base"]]}

@@ -28,7 +28,7 @@ OTHER = "ab" * 32  # test_malformed's other model
 def world(tmp_path_factory, tiny_tokenizer_kv):
     w = make_world(tmp_path_factory.mktemp("id_world"), tmp_path_factory.mktemp("id_build"), tiny_tokenizer_kv)
     exp = _toml(w["dumps"], thresholds="[thresholds]\nnon_event_p = 0.0\nce_proxy_frac = 100.0\n"
-                "min_heldout_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
+                "min_heldout_per_phrase = 1\nmin_train_per_phrase = 1\ncollateral_min_total = 1\ncollateral_min_per_word = 1\n",
                 sets='[sets]\ncollateral_eval = ["coll.safetensors"]\n'
                      'background = ["bg.safetensors", "other_model.safetensors"]\n',
                 split='[split]\npool = ["pool*.safetensors"]\nseed = 0\ntrain = 0.5\ndev = 0.25\nheldout = 0.25\n')

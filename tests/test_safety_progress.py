@@ -78,3 +78,27 @@ def test_periodic_lines_and_terminal_bars():
                 term(s, d, n)
         tasks = {task.description: (task.completed, task.total) for task in term.bar.tasks}
     assert tasks == {s: (n, n) for s, n in EXPECTED.items()}  # one bar per set, each full
+
+
+def test_head_precision_is_per_run_not_per_process(world, tmp_path):
+    """`--precision` reaches the weights through the command's arguments (no process-wide setting): two audits in
+    one process, split-bf16 then the default, each record their own head precision and the first its split's
+    max |logit − f64 logit| on the check rows, larger than the f32 path's on the same rows (split-bf16 keeps ~2⁻¹⁷
+    of each product, f32 rounds at 2⁻²⁴; tests/test_stream.py bounds both against f64)."""
+    got = []
+    for k, extra in enumerate((["--precision", "split-bf16"], [])):
+        out = tmp_path / f"p{k}"
+        r = CliRunner().invoke(app, ["audit", str(world["bundle"]), "--base", str(world["base"]), "--experiment",
+                                     str(world["root"] / "det.toml"), "--out", str(out), "--no-plots",
+                                     "--ledger", str(tmp_path / "l.jsonl"), *extra])
+        assert r.exit_code in (0, 1) and "Traceback" not in r.output, r.output
+        got.append(json.loads((out / "report.json").read_text())["inputs"]["numerics"])
+    split, default = got
+    assert (split["requested"], split["precision"], split["split"]) == ("split-bf16", "split-bf16", "split-bf16")
+    assert split["max_logit_err_split"] > split["max_logit_err_f32"] > 0
+    assert (default["requested"], default["precision"], default["max_logit_err_split"]) == ("auto", "f32", None)
+    r = CliRunner().invoke(app, ["audit", str(world["bundle"]), "--base", str(world["base"]), "--experiment",
+                                 str(world["root"] / "det.toml"), "--out", str(tmp_path / "bad"), "--no-plots",
+                                 "--precision", "fp8"])
+    assert r.exit_code == 2
+    assert "--precision: precision: expected f32, split-fp16 or split-bf16, found 'fp8'" in r.output

@@ -284,3 +284,47 @@ def test_cpu_row_sums_are_the_f64_sums_bit_for_bit(shape):
         torch.set_num_threads(threads)
     # on the default threads: the same sums to f64 rounding (C·ε relative, C ≤ 2e5 terms of one sign)
     torch.testing.assert_close(acc._sum(x), x.double().sum(1), rtol=shape[1] * 2.3e-16, atol=0)
+
+
+def test_two_head_precisions_in_one_process_each_keep_their_own_numbers(tmp_path, hf_run):
+    """The head precision travels with the weights (`load_tail_weights(precision=...)` -> TailWeights.numerics),
+    not in process state: weights loaded with split-bf16, then f32, then the default, evaluated interleaved in one
+    process, each give the logits of their own precision. Reference: the same mixes times the same head in f64.
+    Tolerances (S = Σ_i |mix_i · head_vi|, n = 256 terms): f32 ≤ n·2⁻²⁴·S (the dot-product rounding bound γ_n);
+    split-bf16 ≤ 2⁻¹⁴·S (test_split_bf16_head_error_bound_and_check). Split-bf16 drops terms of ~2⁻¹⁷ relative
+    per product, f32 rounds at 2⁻²⁴: its measured error is the larger (a shared precision would make them equal)."""
+    from l47.engine.gguf_export import export_gguf
+    from l47.errors import L47Error
+    from l47.model import names
+
+    m, _, s = hf_run
+    table = names.hf_to_gguf_map(m.config.num_hidden_layers)
+    path = export_gguf(m, tmp_path / "f32.gguf", types={table[k]: "F32" for k in m.state_dict()})
+    wa = load_tail_weights(path, policy="exact", precision="split-bf16")
+    wb = load_tail_weights(path, policy="exact", precision="f32")
+    wc = load_tail_weights(path, policy="exact")  # the default: "auto", f32 off CUDA
+    mix = tail_mix(s["R"], s["inj"], s["hh"], s["sgv"], s["yr"], wb)  # [T, n]
+    ref = mix.double() @ wb.head.double().T  # [T, V] f64
+    S = mix.double().abs() @ wb.head.double().abs().T  # [T, V]
+    za1 = full_logits(mix, wa)
+    zb = full_logits(mix, wb)
+    za2 = full_logits(mix, wa)  # after the f32 weights were loaded and used
+    zc = full_logits(mix, wc)
+    assert torch.equal(za1, za2)
+    err_a, err_b = float((za1.double() - ref).abs().max()), float((zb.double() - ref).abs().max())
+    assert ((za1.double() - ref).abs() <= 2.0 ** -14 * S).all()
+    assert ((zb.double() - ref).abs() <= wb.n * 2.0 ** -24 * S).all()
+    assert ((zc.double() - ref).abs() <= wb.n * 2.0 ** -24 * S).all()
+    assert err_a > err_b > 0 and not torch.equal(za1, zb)
+    assert wa.numerics.record()["precision"] == "split-bf16" and wb.numerics.record()["precision"] == "f32"
+    # and through the head statistics: lse is 1-Lipschitz in the max norm, so each row's bound is its logits' worst
+    lse_ref = torch.logsumexp(ref, -1)
+    tgt = torch.zeros(mix.shape[0], dtype=torch.long)
+    la, lb = head_stats(mix, wa, tgt).lse, head_stats(mix, wb, tgt).lse
+    Smax = S.max(1).values.numpy()  # [T]
+    assert (np.abs(la - lse_ref.numpy()) <= 2.0 ** -14 * Smax).all()
+    assert (np.abs(lb - lse_ref.numpy()) <= wb.n * 2.0 ** -24 * Smax).all()
+    head_stats(mix, wc, tgt)  # the first streamed pass resolves "auto" (f32 off CUDA)
+    assert wc.numerics.record()["requested"] == "auto" and wc.numerics.record()["precision"] == "f32"
+    with pytest.raises(L47Error, match="--precision"):
+        load_tail_weights(path, policy="exact", precision="fp8")

@@ -7,6 +7,8 @@ Figures (all measured in the same run, so ratios are meaningful):
     ratio        paired throughput / bare-mm throughput (same FLOPs: target ≥ 0.6)
     peak memory  above the resident dequantised head (CPU: VmHWM; CUDA: max_memory_allocated)
     CUDA         the head precisions and the fused reductions, all in the same run (l47/app/bench_fused.py)
+Shared helpers (synthetic weights, clock, peak memory): l47/app/bench_common.py. `python -m l47.app.bench --sweep`:
+the split-fp16 kernel sweep, then the forward figures in the same process (`main`).
 TF32 is disabled on CUDA: every f32 figure is exact f32.
 """
 
@@ -19,14 +21,14 @@ from pathlib import Path
 
 import torch
 
+from l47.app.bench_common import REAL, SMALL, peak, reset_peak, sync, synthetic_weights, timed
+from l47.app.bench_fused import SWEEP, bench_head_cuda, sweep_errors, sweep_split
+from l47.app.bench_pipeline import bench_pipeline, print_pipeline
 from l47.fileio import write_text_atomic
-from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
-from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, EventTerms, batch_mix
 from l47.solvers.wfld import WfldConfig, solve_wfld
-
-REAL = dict(n=2560, f=640, r=320, hc=4, V=248_320)
-SMALL = dict(n=256, f=64, r=32, hc=4, V=8192)
+from l47.tail import fused, stream
+from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
 
 
 @dataclass(frozen=True)
@@ -40,59 +42,6 @@ class BenchArgs:
     chunk: int | None = None
     work: Path | None = None  # --what pipeline: folder for the synthetic model and dumps (kept, reused)
 
-
-def synthetic_weights(dims: dict, device: str, seed: int = 0) -> TailWeights:
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    n, f, r, hc, V = dims["n"], dims["f"], dims["r"], dims["hc"], dims["V"]
-
-    def rnd(*shape, std):
-        return (torch.randn(*shape, generator=g) * std).to(device)
-
-    return TailWeights(layer=47, n=n, f=f, hc=hc, r=r, V=V, eps=1e-6, W_sd=rnd(n, f, std=f ** -0.5),
-                       onorm=1 + rnd(hc, n, std=0.1), odown=rnd(r, hc * n, std=(hc * n) ** -0.5),
-                       oup=rnd(hc * n, r, std=r ** -0.5), head=rnd(V, n, std=n ** -0.5 * 4),
-                       target="blk.47.ffn_down_shexp.weight", target_type=8, model_sha256="synthetic",
-                       policy="exact", path="synthetic")
-
-
-def _sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _reset_peak(device):
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
-    return _rss()
-
-
-def _rss(key="VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak(device) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated()
-    return _rss("VmHWM")
-
-
-def _timed(fn, device, reps):
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bench_forward(args: BenchArgs) -> dict:
@@ -109,20 +58,18 @@ def bench_forward(args: BenchArgs) -> dict:
     mix_n = mix_b + 0.01 * torch.randn(T, n, generator=g).to(dev)
     tgt = torch.randint(0, V, (T,), generator=g)
     head_bytes = w.head.numel() * 4
-    base_mem = _reset_peak(dev)
-    t_paired = _timed(lambda: paired_stats(mix_b, mix_n, w, tgt, topk=5, chunk=chunk), dev, args.reps)
-    peak_paired = _peak(dev) - base_mem
-    base_mem = _reset_peak(dev)
-    t_single = _timed(lambda: head_stats(mix_b, w, tgt, topk=5, chunk=chunk), dev, args.reps)
-    peak_single = _peak(dev) - base_mem
+    base_mem = reset_peak(dev)
+    t_paired = timed(lambda: paired_stats(mix_b, mix_n, w, tgt, topk=5, chunk=chunk), dev, args.reps)
+    peak_paired = peak(dev) - base_mem
+    base_mem = reset_peak(dev)
+    t_single = timed(lambda: head_stats(mix_b, w, tgt, topk=5, chunk=chunk), dev, args.reps)
+    peak_single = peak(dev) - base_mem
     both = torch.cat([mix_b, mix_n], 0)
-    t_mm1 = _timed(lambda: torch.mm(mix_b, w.head.T), dev, args.reps)
-    t_mm2 = _timed(lambda: torch.mm(both, w.head.T), dev, args.reps)
+    t_mm1 = timed(lambda: torch.mm(mix_b, w.head.T), dev, args.reps)
+    t_mm2 = timed(lambda: torch.mm(both, w.head.T), dev, args.reps)
     flops1 = 2.0 * T * n * V
     split = {}
     if dev.startswith("cuda"):
-        from l47.app.bench_fused import bench_head_cuda
-
         split = bench_head_cuda(w, mix_b, mix_n, tgt, chunk, args.reps, t_mm2)
     return split | dict(
         device=dev if not dev.startswith("cuda") else torch.cuda.get_device_name(),
@@ -165,8 +112,6 @@ def run_bench(args: BenchArgs, console) -> dict:
     if args.what in ("wfld", "all"):
         out["wfld"] = bench_wfld(args, console)
     if args.what == "pipeline":
-        from l47.app.bench_pipeline import bench_pipeline, print_pipeline
-
         out["pipeline"] = r = bench_pipeline(args.real, args.device, args.work,
                                              log=lambda m: console.print(m, highlight=False))
         print_pipeline(r, console)
@@ -209,17 +154,68 @@ def bench_wfld(args, console, events: int = 100, background: int = 2000, anchors
     special = torch.arange(w.V - 5, w.V, device=dev)
     terms = EventTerms(rejected=top[:, 0], chosen=top[:, 1:2], special=special,
                        scale=torch.ones(events, device=dev))
-    base = _reset_peak(dev)
-    _sync(dev)
+    base = reset_peak(dev)
+    sync(dev)
     t0 = time.perf_counter()
     res = solve_wfld(w, ev, terms, bg, an, WfldConfig(), log=None)
-    _sync(dev)
+    sync(dev)
     dt = time.perf_counter() - t0
-    peak = _peak(dev) - base
+    held = peak(dev) - base
     out = dict(device=dev if not dev.startswith("cuda") else torch.cuda.get_device_name(), dims=dims,
-               events=events, background=background, anchors=anchors, wall_s=dt, peak_extra_bytes=peak,
+               events=events, background=background, anchors=anchors, wall_s=dt, peak_extra_bytes=held,
                gn_steps=len(res.iterations), violation=res.violation, residual=res.residual)
     console.print(f"[bold]WFLD[/] on {out['device']}: {events} events, {background} background, {anchors} anchors, "
-                  f"dims {dims}: {dt:.1f} s, peak +{peak / 2**30:.2f} GiB above the weights, "
+                  f"dims {dims}: {dt:.1f} s, peak +{held / 2**30:.2f} GiB above the weights, "
                   f"{len(res.iterations)} GN steps, max violation {res.violation:.2g} nats", highlight=False)
     return out
+
+
+def main(argv=None) -> dict:
+    """python -m l47.app.bench [-T 4096] [--json FILE] [--sweep]: the kernel sweep (split-fp16 configs, time and
+    error; l47/app/bench_fused.py), the best config kept, then `l47 bench --device cuda --what forward` in the
+    same process."""
+    import argparse
+
+    from rich.console import Console
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-T", type=int, default=4096)
+    ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = {}
+
+    def save():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2)
+    if a.sweep:
+        w = synthetic_weights(REAL, "cuda")
+        g = torch.Generator(device="cpu").manual_seed(1)
+        mix_b = torch.randn(a.T, REAL["n"], generator=g).cuda()
+        mix_n = mix_b + 0.01 * torch.randn(a.T, REAL["n"], generator=g).cuda()
+        rows = sweep_split(w, mix_b, mix_n, SWEEP)
+        errs = sweep_errors(w, mix_b, SWEEP)
+        for r, e in zip(rows, errs):
+            r["max_logit_err"] = e
+        out["sweep"] = dict(rows=rows, err_f32=errs[-1])
+        for r in rows:
+            print(r, flush=True)
+        ok = [r for r in rows if "s" in r and r["max_logit_err"] <= stream.SPLIT_MAX_RATIO * errs[-1]]
+        if ok:  # the fastest within the per-run check's error rule; none: the default config stays
+            best = min(ok, key=lambda r: r["s"])
+            fused.SPLIT_CFG.update(dict(STACK=False) | {k: best[k] for k in best if k in fused.SPLIT_CFG})
+        print("best", fused.SPLIT_CFG, "f32 err", errs[-1], flush=True)
+        out["sweep"]["chosen"] = dict(fused.SPLIT_CFG)
+        save()
+        del w, mix_b, mix_n
+        torch.cuda.empty_cache()
+    out.update(run_bench(BenchArgs(T=a.T, device="cuda", reps=a.reps, what="forward"), Console(width=200)))
+    save()
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -10,37 +10,26 @@ Figures (T positions, paired = base + edited rows [2T, n] against the head [V, n
     errors               max |logit − f64| of each precision on the per-run check's rows (the same kernel the run
                          uses); lse / KL / entropy / top-5 of 64 pairs against dense f64 logits; split vs f32 over
                          all T pairs (max |ΔKL|, max |Δ log p(target)|, same top-5 ids)
-TF32 off. Ratios are against the bare f32 GEMM of the same run.
+TF32 off. Ratios are against the bare f32 GEMM of the same run. The kernel sweep (`sweep_split`, `sweep_errors`
+over SWEEP) then that whole forward bench in one process: `python -m l47.app.bench --sweep` (l47/app/bench.py
+`main`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 import torch
 
+from l47.app.bench_common import timed
 from l47.model.weights import Numerics
 from l47.tail import fused, stream
 from l47.tail.forward import head_stats, paired_stats
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _timed(fn, reps):
-    fn()  # warm-up: compiles the kernels, runs the precision check
-    best = float("inf")
-    for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return timed(fn, "cuda", reps, warmup=True)  # warm-up: compiles the kernels, runs the precision check
 
 
 def _dense_f64(both: torch.Tensor, head: torch.Tensor, P: int, k: int = 5) -> dict:
@@ -161,56 +150,3 @@ def sweep_errors(w, mix, configs, rows: int = 64) -> list[float]:
         e32 = max(e32, float(((x @ w.head[lo:lo + 16384].T).double() - ref[:, lo:lo + 16384]).abs().max()))
     errs.append(e32)
     return errs
-
-
-def main(argv=None) -> dict:
-    """python -m l47.app.bench_fused [-T 4096] [--json FILE] [--sweep]: the kernel sweep (split-fp16 configs,
-    time and error), the best config kept, then `l47 bench --device cuda --what forward` in the same process."""
-    import argparse
-    import json
-
-    from rich.console import Console
-
-    from l47.app.bench import REAL, BenchArgs, run_bench, synthetic_weights
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("-T", type=int, default=4096)
-    ap.add_argument("--json", type=str, default=None)
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args(argv)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    out = {}
-
-    def save():
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=2)
-    if a.sweep:
-        w = synthetic_weights(REAL, "cuda")
-        g = torch.Generator(device="cpu").manual_seed(1)
-        mix_b = torch.randn(a.T, REAL["n"], generator=g).cuda()
-        mix_n = mix_b + 0.01 * torch.randn(a.T, REAL["n"], generator=g).cuda()
-        rows = sweep_split(w, mix_b, mix_n, SWEEP)
-        errs = sweep_errors(w, mix_b, SWEEP)
-        for r, e in zip(rows, errs):
-            r["max_logit_err"] = e
-        out["sweep"] = dict(rows=rows, err_f32=errs[-1])
-        for r in rows:
-            print(r, flush=True)
-        ok = [r for r in rows if "s" in r and r["max_logit_err"] <= stream.SPLIT_MAX_RATIO * errs[-1]]
-        if ok:  # the fastest within the per-run check's error rule; none: the default config stays
-            best = min(ok, key=lambda r: r["s"])
-            fused.SPLIT_CFG.update(dict(STACK=False) | {k: best[k] for k in best if k in fused.SPLIT_CFG})
-        print("best", fused.SPLIT_CFG, "f32 err", errs[-1], flush=True)
-        out["sweep"]["chosen"] = dict(fused.SPLIT_CFG)
-        save()
-        del w, mix_b, mix_n
-        torch.cuda.empty_cache()
-    out.update(run_bench(BenchArgs(T=a.T, device="cuda", reps=a.reps, what="forward"), Console(width=200)))
-    save()
-    return out
-
-
-if __name__ == "__main__":
-    main()

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from l47.app.bench_common import peak, reset_peak, sync
 from l47.testing.synth import SynthDims
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "demo_data"
@@ -411,25 +412,17 @@ def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=
 # the stages
 
 
-def _host_peak_reset() -> int:
-    from l47.app.bench import _reset_peak
-
-    return _reset_peak("cpu")
-
-
 def _stage(name: str, fn, device: str, out: dict, log) -> object:
-    from l47.app.bench import _peak, _reset_peak, _sync
-
-    host0 = _host_peak_reset()
-    dev0 = _reset_peak(device) if device.startswith("cuda") else 0
-    _sync(device)
+    host0 = reset_peak("cpu")
+    dev0 = reset_peak(device) if device.startswith("cuda") else 0
+    sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     res = fn()
-    _sync(device)
+    sync(device)
     dt = time.perf_counter() - t0
-    out[name] = {"wall_s": dt, "cpu_s": time.process_time() - c0, "host_peak_extra_bytes": _peak("cpu") - host0}
+    out[name] = {"wall_s": dt, "cpu_s": time.process_time() - c0, "host_peak_extra_bytes": peak("cpu") - host0}
     if device.startswith("cuda"):
-        out[name]["device_peak_extra_bytes"] = _peak(device) - dev0
+        out[name]["device_peak_extra_bytes"] = peak(device) - dev0
     log(f"{name}: {dt:.1f} s ({out[name]['cpu_s']:.1f} s CPU), host peak +{out[name]['host_peak_extra_bytes'] / 2**30:.2f} GiB"
         + (f", device peak +{out[name]['device_peak_extra_bytes'] / 2**30:.2f} GiB" if device.startswith("cuda")
            else ""))

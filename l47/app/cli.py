@@ -25,10 +25,12 @@ PRECISION_HELP = ("head GEMM: f32 | split-fp16 | split-bf16 (default: split-fp16
                   "falling back to f32 if its error exceeds 2x the f32 path's; f32 elsewhere)")
 
 
-def set_head_precision(precision):
-    from l47.model.weights import set_head_precision as set_
+def _head_precision(precision):
+    """--precision checked before anything is loaded; the command passes it down with its arguments."""
+    from l47.model.weights import head_precision
 
-    set_(precision)
+    return head_precision(precision)
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact, audited edits of the last layer's shared-expert down projection of qwen4exp models.")
@@ -173,7 +175,7 @@ def score(
     """Exact per-document CE / top-1 (and with --bundle: KLD, Δlog p, same-top) from the tail forward.\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    set_head_precision(precision)
+    precision = _head_precision(precision)
     from rich.progress import Progress
 
     from l47.app.paths import check_score
@@ -181,7 +183,7 @@ def score(
 
     check_score(model, dumps, bundle, tsv, ledger, force)
 
-    args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger, allow_other_model)
+    args = ScoreArgs(model, tuple(dumps), bundle, tsv, policy, device, ledger, allow_other_model, precision)
     with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as prog:
         task = prog.add_task("scoring", total=len(dumps))
         res = run_score(args, progress=lambda: prog.advance(task))
@@ -265,7 +267,8 @@ def dump(
     """Run an engine over documents -> dump files, with the zero-proxy check per document.\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
+    from l47.app.dump_view import dump_and_print
+    from l47.app.dumping import DumpJob, GenerateOptions
     from l47.engine.hf import parse_placement
 
     placement = parse_placement(device_map, max_memory, offload_dir)
@@ -280,7 +283,7 @@ def dump(
     job = DumpJob(model, inputs, out, engine=engine, layer=layer, generate=gen, ref_logits=ref_logits,
                   tolerance=tolerance, policy=policy, device=device, engine_bin=engine_bin, placement=placement,
                   batch=batch)
-    raise typer.Exit(run_dump(job, console).exit_code)
+    raise typer.Exit(dump_and_print(job, console).exit_code)
 
 
 @app.command()
@@ -301,7 +304,7 @@ def sets(
     (--json - : the report as JSON on stdout, nothing else).\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    set_head_precision(precision)
+    precision = _head_precision(precision)
     from l47.app.paths import check_sets
     from l47.app.sets_view import run_sets
     from l47.app.tables import FittedConsole, json_to_stdout
@@ -309,7 +312,7 @@ def sets(
     notes = check_sets(experiment, json_out, model, ledger, force, allow_other_model)
     with json_to_stdout(json_out, console) as target:
         warned = run_sets(experiment, target, FittedConsole(console), model=model, device=device,
-                          ledger=ledger, notes=notes)  # 1: warnings
+                          ledger=ledger, notes=notes, precision=precision)  # 1: warnings
     raise typer.Exit(1 if (warned and strict) else 0)
 
 
@@ -336,7 +339,7 @@ def solve(
     """WFLD or FTPO -> re-quantised Q8_0 bundle + solve record; every figure from the shipped weights.\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    set_head_precision(precision)
+    precision = _head_precision(precision)
     from l47.app.paths import check_solve
     from l47.app.tables import json_to_stdout
     from l47.fileio import write_text_atomic
@@ -344,7 +347,7 @@ def solve(
     from l47.solvers.solve import SolveArgs
 
     args = SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
-                     allow_other_model=allow_other_model, sweep=sweep)
+                     allow_other_model=allow_other_model, sweep=sweep, precision=precision)
     check_solve(args, force, json_out)
     with json_to_stdout(json_out, console) as target:
         res = solve_and_print(args, console)
@@ -488,7 +491,7 @@ def audit(
     if every bar passes.\f
 
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
-    set_head_precision(precision)
+    precision = _head_precision(precision)
     from l47.app.audit_view import audit_and_print
     from l47.app.tables import FittedConsole, json_to_stdout
     from l47.app.paths import check_audit
@@ -497,7 +500,7 @@ def audit(
 
     args = AuditArgs(bundle, base, experiment, out, tuple(blind), dev_report, ledger, policy, device, record,
                      tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,
-                     allow_other_model=allow_other_model)
+                     allow_other_model=allow_other_model, precision=precision)
     check_audit(args, force, json_out)
     with json_to_stdout(json_out, console) as target:
         res = audit_and_print(args, FittedConsole(console))

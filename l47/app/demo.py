@@ -122,7 +122,8 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
     ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; BLIND_TRIES
     such misses in a row at most); only the tokens are looked at, nothing is scored. Returns (dump path, how it was
     chosen)."""
-    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
+    from l47.app.dump_view import dump_and_print
+    from l47.app.dumping import DumpJob, GenerateOptions
     from l47.data.ledger import EV_BLIND_STARTED
     from l47.dumps import read_dump
     from l47.dumps.select import find_events
@@ -139,7 +140,7 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
         src = write_text_atomic(out / "inputs" / f"blind-{k}.jsonl", json.dumps(rec) + "\n")
         gen = GenerateOptions(max_new_tokens=CHAT_TOKENS, seed=seed + k, temperature=0.7, top_p=0.9, top_k=40,
                               think=True)
-        s = run_dump(DumpJob(model, src, out / "dumps" / "blind" / str(k), generate=gen), console)
+        s = dump_and_print(DumpJob(model, src, out / "dumps" / "blind" / str(k), generate=gen), console)
         path = next(Path(r.path) for r in s.results if r.path)
         d = read_dump(path)
         if ledger.scored(d.sha256):
@@ -339,7 +340,8 @@ def _run_demo(args: DemoArgs, console, out: Path) -> int:
 def _dump_inputs(run: _DemoRun) -> tuple[dict[str, list[Path]], dict]:
     """Step 1: the model's generations, the shipped documents, the held-out chats and a fresh blind set ->
     ({set kind: dump paths}, how the blind chats were chosen)."""
-    from l47.app.dumping import DumpJob, GenerateOptions, run_dump
+    from l47.app.dump_view import dump_and_print
+    from l47.app.dumping import DumpJob, GenerateOptions
     from l47.dumps.select import phrases_to_tuples
     from l47.model.vocab import vocab_for_model
 
@@ -352,14 +354,15 @@ def _dump_inputs(run: _DemoRun) -> tuple[dict[str, list[Path]], dict]:
     dirs: dict[str, list[Path]] = {}
     prompts = _subset_jsonl(DATA / "prompts.jsonl", out / "inputs" / "prompts.jsonl", args.prompts)
     gen = GenerateOptions(max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=0.7, top_p=0.9, top_k=40)
-    dirs["generated"] = dumped(run_dump(DumpJob(model, prompts, out / "dumps" / "generated", generate=gen), console))
+    dirs["generated"] = dumped(dump_and_print(DumpJob(model, prompts, out / "dumps" / "generated", generate=gen),
+                                              console))
     for k in INPUTS:
         if k == "pool_chat" and not (args.pool_chat and (DATA / FILES[k]).is_file()):
             continue
-        dirs[k] = dumped(run_dump(DumpJob(model, DATA / FILES[k], out / "dumps" / k), console))
+        dirs[k] = dumped(dump_and_print(DumpJob(model, DATA / FILES[k], out / "dumps" / k), console))
     chat_gen = replace(gen, max_new_tokens=CHAT_TOKENS, think=True)
-    dirs["heldout_chat"] = dumped(run_dump(DumpJob(model, DATA / HELDOUT_PROMPTS, out / "dumps" / "heldout_chat",
-                                                   generate=chat_gen), console))
+    dirs["heldout_chat"] = dumped(dump_and_print(DumpJob(model, DATA / HELDOUT_PROMPTS, out / "dumps" / "heldout_chat",
+                                                        generate=chat_gen), console))
     pts, _ = phrases_to_tuples(PHRASES, vocab_for_model(model))
     dirs["blind"], blind_how = fresh_blind_chats(model, out, run.ledger, pts, args.seed + 1000, console=console)
     console.print(f"blind set: {len(dirs['blind'])} chats, prompts "

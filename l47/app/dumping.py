@@ -3,9 +3,11 @@
 Per document: render (chat template + roles, or plain text; optionally the engine samples the assistant turn)
 -> engine capture at layer L -> write the dump (atomic, to a pending name) -> zero-proxy check: the exact tail
 forward recomputes log p(next) from the written file and compares it with the engine's own `ref_logp`; the
-max and mean |Δ| (nats) are printed, and a document above tolerance is refused (its file is renamed
+max and mean |Δ| (nats) are reported, and a document above tolerance is refused (its file is renamed
 `*.safetensors.refused`, never left under the dump name). Resumable: a document whose existing dump has the
 same input hash and model hash is skipped. Bad documents are collected as errors; the others still run.
+Prints nothing: it reports through callbacks, `log(str)` and `progress(dict)` (as run_solve and run_audit do);
+l47/app/dump_view.py renders them.
 
 Notation for shapes: T positions of a document (row t predicts tokens[t+1]).
 Precision: the engine runs in f32; the check's log p in f64 from f32 logits (l47.tail.forward).
@@ -17,11 +19,11 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.markup import escape
 
 from l47.model import names
 from l47.dumps.schema import provenance_of
@@ -528,50 +530,32 @@ class _LoadedEngine:
         return self.tail.layer
 
 
-class _Reporter:
-    """The progress bar and per-document lines on a rich console; every method does nothing without one."""
+class _Report:
+    """The run's two callbacks (either may be None): `log(str)`, a line of text; `progress(dict)`, one event
+    ({"event": "start", "total", "input_errors"} · {"event": "document", "doc_id"} before a document ·
+    {"event": "done", **DocResult fields} after it · {"event": "stop"}). l47.app.dump_view renders them."""
 
-    def __init__(self, console, total: int, input_errors) -> None:
-        self.console, self.progress, self.task = console, None, None
-        if console is None:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.progress = Progress(TextColumn("[bold]dump[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), console=console)
-        for e in input_errors:
-            console.print(f"[red]input error:[/] {escape(str(e))}", highlight=False)
-        self.total = total
+    def __init__(self, log=None, progress=None) -> None:
+        self.log, self.progress = log, progress
 
     def say(self, msg: str) -> None:
-        if self.console is not None:
-            self.console.print(msg, highlight=False)
+        if self.log is not None:
+            self.log(msg)
 
-    def start(self) -> None:
+    def event(self, event: str, **fields) -> None:
         if self.progress is not None:
-            self.progress.start()
-            self.task = self.progress.add_task("", total=self.total)
-
-    def document(self, doc_id: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, description=doc_id[:40])
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            self.progress.advance(self.task)
-
-    def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
+            self.progress({"event": event, **fields})
 
 
-def run_dump(job: DumpJob, console=None) -> DumpSummary:
+def run_dump(job: DumpJob, log: Callable[[str], None] | None = None,
+             progress: Callable[[dict], None] | None = None) -> DumpSummary:
     """Dump every document of `job.inputs` into `job.out_dir`: load engine -> plan documents -> dump each
-    (resumable, errors collected) -> summary. `console`: a rich Console for the progress bar and per-document
-    lines; None = silent."""
+    (resumable, errors collected) -> summary. Prints nothing: `log` receives the summary line, `progress` one
+    event per step (`_Report`; l47.app.dump_view.dump_and_print renders both); None = silent."""
     eng = _load_job_engine(job)
     docset = _plan_documents(job, eng.vocab)
-    report = _Reporter(console, len(docset.docs), docset.errors)
+    report = _Report(log, progress)
+    report.event("start", total=len(docset.docs), input_errors=[str(e) for e in docset.errors])
     results = _dump_documents(job, eng, docset.docs, report)
     summary = DumpSummary(tuple(results), tuple(str(e) for e in docset.errors), eng.mid, eng.meta, job.bar,
                           str(job.out_dir))
@@ -619,7 +603,7 @@ def _plan_documents(job: DumpJob, vocab):
     return docset
 
 
-def _dump_documents(job: DumpJob, eng: _LoadedEngine, docs, report: _Reporter) -> list[DocResult]:
+def _dump_documents(job: DumpJob, eng: _LoadedEngine, docs, report: _Report) -> list[DocResult]:
     """Every document (results in input order), the hf engine's turns sampled a batch at a time; the folders this
     run created (and the Strata contract folder) removed again when left empty, whatever happened."""
     made = _missing_dirs(job.out_dir)  # the folders this run creates (removed again if it ends with them empty)
@@ -628,16 +612,13 @@ def _dump_documents(job: DumpJob, eng: _LoadedEngine, docs, report: _Reporter) -
     raw_made = eng.strata is not None and not raw_root.exists()
     results: dict[int, DocResult] = {}
     try:
-        report.start()
         for group, sampled in _batches(job, eng, docs):
             for k in group:
-                report.document(docs[k].id)
-                try:
-                    results[k] = _dump_document(job, eng, docs[k], sampled.get(k), raw_root, report)
-                finally:
-                    report.advance()
+                report.event("document", doc_id=docs[k].id)
+                results[k] = _dump_document(job, eng, docs[k], sampled.get(k), raw_root)
+                report.event("done", **asdict(results[k]))
     finally:
-        report.stop()
+        report.event("stop")
         if raw_made:
             _rmdir_if_empty(raw_root)
         for d in made:  # deepest first: a folder this run created and left empty (a refusal, an interrupt)
@@ -682,8 +663,7 @@ def _batches(job: DumpJob, eng: _LoadedEngine, docs):
         yield idx, dict(zip(idx, turns))
 
 
-def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | None, raw_root: Path,
-                   report: _Reporter) -> DocResult:
+def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | None, raw_root: Path) -> DocResult:
     """One document: skipped (same input and model) | captured -> written to a pending name -> zero-proxy check
     -> renamed to its dump name or refused. An L47Error is the document's error; the pending file and the
     engine's contract files never stay behind."""
@@ -692,16 +672,14 @@ def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | N
     ih = _doc_hash(job, eng, doc)
     try:
         if _existing_matches(path, ih, eng.mid):
-            report.say(f"  {escape(doc.id)}: skipped (already dumped with the same input and model)")
             return DocResult(doc.id, STATUS_SKIPPED, str(path), message="same input and model")
         source = _portable_source(job.inputs, doc, ih)
         if eng.strata is not None:  # the external Strata binary (engine/CONTRACT.md)
             arrays, meta = _strata_document(job, eng, doc, raw_root / path.stem, source)
         else:
             arrays, meta = _hf_document(job, eng, doc, sampled, source)
-        return _write_checked(job, eng, doc.id, arrays, meta, path, report)
+        return _write_checked(job, eng, doc.id, arrays, meta, path)
     except L47Error as e:
-        report.say(f"  [red]{escape(doc.id)}: error[/]: {escape(str(e))}")
         return DocResult(doc.id, STATUS_ERROR, None, message=str(e))
     finally:
         pending.unlink(missing_ok=True)  # never left behind, whatever failed (an interrupt included)
@@ -730,8 +708,7 @@ def _hf_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | Non
     return arrays, meta
 
 
-def _write_checked(job: DumpJob, eng: _LoadedEngine, doc_id: str, arrays, meta, path: Path,
-                   report: _Reporter) -> DocResult:
+def _write_checked(job: DumpJob, eng: _LoadedEngine, doc_id: str, arrays, meta, path: Path) -> DocResult:
     """Write to the pending name, run the zero-proxy check on what was written, then rename it to the dump name
     (a stale refusal removed) or to `*.refused` above the tolerance."""
     from l47.dumps import read_dump, write_dump
@@ -744,10 +721,8 @@ def _write_checked(job: DumpJob, eng: _LoadedEngine, doc_id: str, arrays, meta, 
     if mx <= job.bar:
         os.replace(pending, path)
         refused.unlink(missing_ok=True)  # a stale refusal from an earlier run
-        report.say(f"  {escape(doc_id)}: T={T}, zero-proxy max |Δ| {mx:.2e} mean {mean:.2e} nats")
         return DocResult(doc_id, STATUS_WRITTEN, str(path), T, mx, mean)
     os.replace(pending, refused)
     msg = (f"zero-proxy max |Δ log p| {mx:.3e} nats > tolerance {job.bar:.1e} (mean {mean:.3e}); "
            f"kept as {refused.name}")
-    report.say(f"  [red]{escape(doc_id)}: refused[/]: {escape(msg)}")
     return DocResult(doc_id, STATUS_REFUSED, str(refused), T, mx, mean, msg)

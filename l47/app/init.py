@@ -51,6 +51,7 @@ THRESHOLD_MEANINGS = {
     "non_event_p": "base p(final token) below this: a non-event, reported apart",
     "heldout_frac": "share of events held out, by document",
     "min_heldout_per_phrase": "(c) held-out events per phrase: a bar (lowering it marks the report weakened)",
+    "min_train_per_phrase": "train events per phrase below which plan and solve refuse (a thin phrase is named)",
     "collateral_min_total": "collateral occurrences needed in collateral_eval",
     "collateral_min_per_word": "... and per word",
     "slop_reduction": "(c) held-out mean p(rejected) reduced by at least this",
@@ -143,6 +144,8 @@ FTPO_MEANINGS = {
     "end_lead_tol": "nats by which a runner-up word may gain on <|im_end|> on average over the turn ends (real and plausible) where it is the base runner-up, at a cost of λ_coll (0: off, the default: on model2 it held the turn end a drifting word took, not a 0.004-nat tie, docs/SOLVERS.md)",
     "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
     "recover_after": "after this many exact evaluations in a row over the KL budget, restart from the kept candidate with fresh Adam moments and half the step (0: off, λ alone; measured in docs/BENCHMARKS.md)",
+    "relax": "the multipliers come back down: λ halves (never below lambda_kl) after an evaluation whose KLs all stand below this share of their limits, λ_flip after relax_after clean evaluations (0: they only rise; docs/SOLVERS.md \"Multipliers that come back down\")",
+    "relax_after": "clean evaluations in a row (no flip, no lost turn end) before λ_flip halves",
     "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
     "seed": "training seed",
 }

@@ -26,6 +26,7 @@ class ScoreArgs:
     device: str = "cpu"
     ledger: Path | None = None  # default: the base model's ledger (l47.data.ledger.default_ledger_path)
     allow_other_model: bool = False  # score dumps made from another model (refused by default, DESIGN §3.1)
+    precision: str | None = None  # head GEMM precision (l47.model.weights.head_precision); None: "auto"
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
     from l47.dumps import read_dump
     from l47.data.ledger import Ledger
 
-    w = load_tail_weights(args.model, policy=args.policy, device=args.device)
+    w = load_tail_weights(args.model, policy=args.policy, device=args.device, precision=args.precision)
     ledger = Ledger.open(args.ledger, w.model_sha256)  # a corrupt ledger / another model's: refused now
     W_new, bsha = (None, None)
     if args.bundle is not None:

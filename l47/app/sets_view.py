@@ -83,7 +83,7 @@ def render_sets_table(report: SetsReport) -> list:
 
 
 def run_sets(experiment_path, json_out=None, console=None, *, model=None, device="cpu", ledger=None,
-             notes=()) -> int:
+             notes=(), precision=None) -> int:
     """`l47 sets EXPERIMENT.toml [--json out.json]`: build, print, write. Exit code 0 when there are no
     warnings (no refused documents, enough held-out events and collateral), 1 otherwise; bad input raises
     L47Error (the CLI prints it and exits 2)."""
@@ -100,7 +100,7 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     src = model if model is not None else exp.model
     if src is None:
         raise L47Error(exp.path, "model", "a base GGUF (the experiment's `model` key or --model)", "none given")
-    w = load_tail_weights(src, policy=exp.policy, device=device)
+    w = load_tail_weights(src, policy=exp.policy, device=device, precision=precision)
     # the base model's ledger (or the one named), validated now; every document scored is in it first
     report = build_sets(exp, w, device=device, ledger=Ledger.open(ledger, w.model_sha256), command="sets")
     if notes:  # dumps of another model, allowed by --allow-other-model: the report says so

@@ -79,6 +79,7 @@ def print_solve(res, console: Console) -> None:
         console.print(f"stop: {cv.stop_reason} after {cv.iterations} iterations; max violation "
                       f"{cv.max_violation if cv.max_violation is not None else float('nan'):.3g} "
                       f"(tolerance {cv.violation_tol})", highlight=False)
+    console.print(phrase_stop_table(res))
     for note in res.record.notes:
         console.print(f"note: {escape(str(note))}", highlight=False)
     if "violation" in m:
@@ -91,6 +92,29 @@ def print_solve(res, console: Console) -> None:
                   highlight=False)
     for s in res.record.stamps:  # e.g. dumps of another model let in by --allow-other-model
         console.print(f"[bold yellow]stamp:[/] {escape(str(s))}", highlight=False)
+
+
+def phrase_stop_table(res) -> Table:
+    """Per phrase: its dev (and train) residual as shipped beside the target, and why it stopped there (the solver's
+    `phrase_stops`: target met / the constraint that binds / the stop with the residual's trend)."""
+    c, t = res.claims, res.config.target_residual
+    stops = c.method.get("phrase_stops") or {}
+    stop = c.convergence.stop_reason if c.convergence is not None else "—"
+    tab = Table(title=f"per phrase at the stop: residual p_after / p_before (target {t:g})")
+    for col in ("phrase", "dev", "train", "why it stopped there"):
+        tab.add_column(col, justify="right" if col in ("dev", "train") else "left")
+
+    def ratio(d, ph):
+        b = None if d is None else d.per_phrase_before.get(ph)
+        return d.per_phrase_after[ph] / b if b else None
+
+    phrases = list((c.train_p_rejected.per_phrase_before if c.train_p_rejected else {}).keys())
+    for ph in phrases:
+        rd, rt = ratio(c.dev_p_rejected, ph), ratio(c.train_p_rejected, ph)
+        worst = max(x for x in (rd, rt) if x is not None)
+        why = stops.get(ph) or ("target met" if worst <= t else stop)
+        tab.add_row(Text(ph), "—" if rd is None else f"{rd:.3f}", f"{rt:.3f}", Text(why))
+    return tab
 
 
 def _overrides(ov: dict, pre: str = "") -> str:

@@ -39,6 +39,7 @@ class Thresholds:
     non_event_p: float = 1e-2  # base p(final token) below this: a non-event (seed §3 (2))
     heldout_frac: float = 0.30  # ≥ this share of events held out, by document (seed §5 (c))
     min_heldout_per_phrase: int = 3  # held-out events per phrase: a bar of the audit (seed §6.3)
+    min_train_per_phrase: int = 5  # train events per phrase below which plan and solve refuse (l47.data.thin)
     collateral_min_total: int = 200  # collateral occurrences in collateral_eval: a bar (seed §5 (d))
     collateral_min_per_word: int = 10  # ... per word: a bar (seed §6: 16–32 per word were scored)
     slop_reduction: float = 0.50  # held-out mean p(rejected) reduced by ≥ this (seed §6.3: −54 % blind)
@@ -123,7 +124,7 @@ def _unknown(where: Path, table: str, d: dict, valid) -> None:
 # value ranges of the thresholds (lo, hi; None = open): probabilities and shares in [0, 1], KLDs and tolerances
 # >= 0, Δlog p bars <= 0, counts and n-gram sizes >= 1. A threshold not listed must be a finite number.
 THRESHOLD_RANGES: dict[str, tuple[float | None, float | None]] = {
-    "non_event_p": (0.0, 1.0), "heldout_frac": (0.0, 1.0), "min_heldout_per_phrase": (1, None),
+    "non_event_p": (0.0, 1.0), "heldout_frac": (0.0, 1.0), "min_heldout_per_phrase": (1, None), "min_train_per_phrase": (1, None),
     "collateral_min_total": (1, None), "collateral_min_per_word": (1, None), "slop_reduction": (0.0, 1.0),
     "collateral_word_mean": (None, 0.0), "collateral_frac_below": (0.0, 1.0), "collateral_below": (None, 0.0),
     "kld_max": (0.0, None), "chat_ordinary_dlogp": (None, 0.0), "chat_kld": (0.0, None),

@@ -144,22 +144,20 @@ def _hparam(g, suffix: str, default=None):
     raise L47Error(g.path, f"metadata key {k}", "present", "missing")
 
 
-_RUN_PRECISION = {"precision": "auto"}  # the process's head precision (the CLI's --precision); "auto" by default
-
-
-def set_head_precision(precision: str | None) -> None:
-    """Set the head precision every later `load_tail_weights` of this process uses: "f32", "split-fp16",
-    "split-bf16" or None / "auto" (split-fp16 on CUDA after the per-run check against f64, f32 elsewhere). The
-    CLI's --precision."""
+def head_precision(precision: str | None) -> str:
+    """The requested head precision, checked: "f32", "split-fp16", "split-bf16", or None / "auto" -> "auto"
+    (split-fp16 on CUDA after the per-run check against f64, f32 elsewhere; l47.tail.stream.check_precision). The
+    CLI's --precision; a command passes the result down with its arguments to `load_tail_weights`."""
     p = precision or "auto"
     if p not in PRECISIONS + ("auto",):
         raise L47Error("--precision", "precision", "f32, split-fp16 or split-bf16", repr(precision))
-    _RUN_PRECISION["precision"] = p
+    return p
 
 
 def numerics_for(device, precision: str | None = None) -> Numerics:
-    """The run's Numerics on `device`: MPS has no float64, so its vocabulary sums run on the CPU in f64."""
-    return Numerics(precision=precision or _RUN_PRECISION["precision"], no_f64=str(device).startswith("mps"))
+    """The run's Numerics on `device` for the requested head `precision` (None: "auto"): the one place a
+    Numerics is made for a run. MPS has no float64, so its vocabulary sums run on the CPU in f64."""
+    return Numerics(precision=head_precision(precision), no_f64=str(device).startswith("mps"))
 
 
 def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | None = None,
@@ -168,7 +166,8 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
 
     The layer is the model's last (`block_count - 1`); any other is refused: only the last layer's FFN write
     is followed by nothing but the output mixer and the head (seed §3.1), so only there is the forward exact.
-    `precision` of the head GEMM: None = the process's (`set_head_precision`).
+    `precision` of the head GEMM (`head_precision`): None = "auto". Each TailWeights carries its own Numerics, so
+    weights loaded in one process with different precisions keep theirs.
     """
     from l47.model.gguf_io import open_gguf
 

@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from l47.tail.topk import topk_lowest_id
+
 FP16_TOP_EXP = 15  # row scale puts max |x·s| in [2^(FP16_TOP_EXP-1), 2^FP16_TOP_EXP)
 MAX_ROWS = 8192  # rows per kernel launch (the partials of one launch: R · NT · (3 + 2k) · 4 bytes)
 
@@ -135,17 +137,15 @@ def top_of_tiles(m: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, k: i
     values ≥ t (t = the k-th largest maximum); any element of another tile is < t, or = t and then in a tile
     after every chosen tile whose maximum is t, so k chosen values precede it. So the k × k candidates of those
     tiles, put back in id order, are ranked instead of all NT × k (at V 248,320: 25 per row instead of 9,700)."""
-    from l47.tail.stream import _topk_lowest_id
-
     R, NT = m.shape
     kk = top_v.shape[2]
     if NT > k:
-        _, tiles = _topk_lowest_id(m, k)  # [R, k]
+        _, tiles = topk_lowest_id(m, k)  # [R, k]
         tiles = torch.sort(tiles, dim=1).values[..., None].expand(R, k, kk)  # id order
         top_v, top_i = torch.gather(top_v, 1, tiles), torch.gather(top_i, 1, tiles)  # [R, k, k]
     cv, ci = top_v.reshape(R, -1), top_i.reshape(R, -1)  # candidates in id order of their tiles
     # the k largest, ties by the lower candidate position (= the lower id)
-    tv, o = _topk_lowest_id(cv, k)
+    tv, o = topk_lowest_id(cv, k)
     return tv, torch.gather(ci, 1, o).long()
 
 

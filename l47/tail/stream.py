@@ -16,7 +16,8 @@ Online reductions over chunks z_c = mix · W_out[c]ᵀ [R, C] (max-rescaled, so 
     top-k = the k largest logits and their ids                  [R, k]
 When the running max grows, earlier sums are rescaled by α = exp(m_old − m_new).
 
-Tie-break (one rule everywhere): among equal logits the LOWER token id ranks first (argmax, top-k, Fisher top-K).
+Tie-break (one rule everywhere, l47.tail.topk): among equal logits the LOWER token id ranks first (argmax, top-k,
+Fisher top-K).
 
 Precision:
     head GEMM   "f32": plain f32 matmul (TF32 is the caller's switch; the bench turns it off).
@@ -44,6 +45,7 @@ import torch
 
 from l47.model.weights import PRECISIONS, SPLITS, Numerics
 from l47.tail import fused
+from l47.tail.topk import topk_lowest_id
 
 DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries stay small
 CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check
@@ -259,7 +261,7 @@ class VocabAccumulator:
                 if rows.numel() == 0:
                     return
                 z = z[rows]  # [r, C]
-            v, i = _topk_lowest_id(z, self.k)  # [r, k]
+            v, i = topk_lowest_id(z, self.k)  # [r, k]
         tv, ti = (self.top_v, self.top_i) if rows is None else (self.top_v[rows], self.top_i[rows])
         allv = torch.cat([tv, v], 1)
         alli = torch.cat([ti, i + lo], 1)
@@ -286,25 +288,6 @@ class VocabAccumulator:
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row dot products [R] of two [R, C] tensors as a batched matmul (no [R, C] product temporary)."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(a.shape[0])
-
-
-def _topk_lowest_id(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row of z [R, C], descending, ties broken by the lower index (torch.topk does not promise
-    which of equal values it returns). [R, k] values and indices."""
-    k = min(k, z.shape[1])
-    v, i = torch.topk(z, min(k + 1, z.shape[1]), dim=1)  # one extra: a tie across the cut shows as v[k-1] == v[k]
-    if v.shape[1] > k:
-        cut = (v[:, k - 1] == v[:, k]).nonzero().flatten()
-        v, i = v[:, :k].clone(), i[:, :k].clone()
-        for r in cut.tolist():  # rare: exact ties at the cut; take the candidates in id order
-            cand = (z[r] >= v[r, k - 1]).nonzero().flatten()  # ascending ids
-            o = torch.sort(z[r, cand], descending=True, stable=True).indices[:k]
-            v[r], i[r] = z[r, cand[o]], cand[o]
-    # within the k: order by (value desc, id asc)
-    o = torch.sort(i, dim=1).indices
-    v, i = torch.gather(v, 1, o), torch.gather(i, 1, o)
-    o = torch.sort(v, dim=1, descending=True, stable=True).indices
-    return torch.gather(v, 1, o), torch.gather(i, 1, o)
 
 
 def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = None, *, chunk: int = DEFAULT_CHUNK,

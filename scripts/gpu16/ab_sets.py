@@ -21,7 +21,7 @@ reports = {}
 for rep in range(int(sys.argv[2]) if len(sys.argv) > 2 else 2):
     for name, mod, sm in (("before", old, old_sum), ("after", new, new_sum)):
         VocabAccumulator._sum = sm
-        from l47.app.bench import _reset_peak, _peak, _rss
+        from l47.app.bench_common import peak as _peak, reset_peak as _reset_peak, rss as _rss
         h0 = _reset_peak("cpu")
         t0, c0 = time.perf_counter(), time.process_time()
         r = mod.build_sets(exp)

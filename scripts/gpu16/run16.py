@@ -150,7 +150,7 @@ def stacked_vs_split(rows: int = 64) -> dict:
 
 
 def head() -> None:
-    from l47.app import bench_fused
+    from l47.app import bench as bench_fused  # its sweep-then-forward driver moved to l47.app.bench.main
 
     step("head", "env", env)
     step("head", "stacked_vs_split", stacked_vs_split)
