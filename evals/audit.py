@@ -445,8 +445,10 @@ EXPLAIN_PREFIX = "convergence:"  # a record note starting with this explains a c
 
 def convergence_problems(record) -> dict:
     """A solve that stopped at its iteration cap, or whose max constraint violation exceeds the tolerance it
-    was held to, claims a solution it did not reach: listed as unexplained (failing the claims bar) unless a
-    record note starting "convergence:" explains it (the explanation is then reported)."""
+    was held to, claims a solution it did not reach: listed as unexplained (failing the claims bar) unless the
+    record explains it. An explanation is a note starting "convergence:" with its reason; a stop at the
+    iteration cap needs the figures beside it — the iterations run and the dev residual per phrase at the stop
+    (claims.dev_p_rejected, re-derived by this audit) — never a bare note. Reported with those figures."""
     from l47.data.record import STOP_ITERATION_CAP
 
     c = getattr(record.claims, "convergence", None)
@@ -457,8 +459,29 @@ def convergence_problems(record) -> dict:
         if c.max_violation is not None and c.violation_tol is not None and c.max_violation > c.violation_tol:
             issues.append(f"convergence.max_violation {c.max_violation:.3g} > violation_tol {c.violation_tol:.3g}")
     notes = [n for n in record.notes if str(n).strip().lower().startswith(EXPLAIN_PREFIX)]
+    reason = next((n.strip()[len(EXPLAIN_PREFIX):].strip() for n in notes if n.strip()[len(EXPLAIN_PREFIX):].strip()),
+                  "")
+    figures = {"iterations": None if c is None else c.iterations,
+               "dev_residual_per_phrase": dev_residual_per_phrase(record.claims.dev_p_rejected), "reason": reason}
+    missing = [] if reason else ["the reason (a note \"convergence: <why>\")"]
+    if c is not None and c.stop_reason == STOP_ITERATION_CAP:
+        missing += [k for k, v in (("the iterations run (claims.convergence.iterations)", figures["iterations"]),
+                                   ("the dev residual per phrase at the stop (claims.dev_p_rejected per phrase)",
+                                    figures["dev_residual_per_phrase"])) if not v]
+    explained = bool(notes) and not missing
     return {"stop_reason": None if c is None else c.stop_reason, "issues": issues, "explanations": notes,
-            "unexplained": [] if notes else issues}
+            "figures": figures, "missing": missing if issues else [],
+            "unexplained": [] if explained or not issues else
+            [f"{x} (explanation lacks {', '.join(missing)})" if notes else x for x in issues]}
+
+
+def dev_residual_per_phrase(dev) -> dict[str, float]:
+    """phrase -> mean p after / mean p before at its dev events (a PRejected's per-phrase figures); {} when the
+    record claims none."""
+    if dev is None:
+        return {}
+    b, a = dev.per_phrase_before or {}, dev.per_phrase_after or {}
+    return {ph: a[ph] / b[ph] for ph in sorted(b) if ph in a and b[ph]}
 
 
 def _base_p_mismatches(record, by_sha: dict[str, DocResult]) -> list[str]:
@@ -677,6 +700,7 @@ class _BlindRefs:
 
 def _blind_doc_checks(p, d, refs: _BlindRefs) -> None:
     """One blind document's checks (_blind_prechecks)."""
+    from l47.data.sets import sampler_wider
     from l47.dumps.select import chat_structure, content_ids, occurrences, provenance_reasons
 
     dev, record, window = refs.dev, refs.record, refs.window
@@ -717,6 +741,10 @@ def _blind_doc_checks(p, d, refs: _BlindRefs) -> None:
                        "held-back prompt", f"{ {r: prov.get(r) for r in ('assistant', 'think')} }")
     why = provenance_reasons(prov, [r for r, v in prov.items() if v == "generated"], refs.model_sha256,
                              d.meta.model)
+    wider = sampler_wider(prov)
+    if wider:
+        raise L47Error(p, "provenance generation.sampler", "a sampler the own-generation check can bound (the "
+                       "toolkit's own: a top-k or top-p cut)", wider)
     if why:
         raise L47Error(p, "provenance", "the model's own generation (this model, sampler recorded)",
                        "; ".join(why))
@@ -821,6 +849,12 @@ def shared_figures(ctx: AuditContext) -> SharedFigures:
     pen_fig, sims = _penalty_figures(ctx.spec, accepted, ctx.vocab)
     proxy = {**proxy_figures(accepted, ctx.w.V, th.ce_proxy_frac, th.zero_proxy_tol),
              "allow_unverified": ctx.args.allow_unverified}
+    from l47.data.sets import sampler_wider
+
+    for d in accepted:  # a declared sampler the check cannot bound proves nothing (bar proxy.own_generation)
+        own = proxy["own_generation"].get(d.path)
+        if own is not None and sampler_wider(d.meta.provenance):
+            own["wider"] = sampler_wider(d.meta.provenance)
     return SharedFigures(kld=kld_figures(accepted, ctx.pts), proxy=proxy,
                          flips=flip_figures(accepted, ctx.vocab, ctx.special_ids),
                          turn_ends=turn_end_figures(accepted, ctx.special_ids, protected_positions(ctx.record)),
@@ -893,7 +927,9 @@ def blind_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, di
              "doc_sha256": list(ctx.blind_shas), "n_docs": len(ctx.blind_shas), "never_scored": True, "ledgers": [str(lp.path) for lp in ctx.ledgers],
              "slop": slop, "flips": sh.flips, "turn_ends": sh.turn_ends,
              "special_mass": special_mass_figures(evs, ctx.by_sha), "ordinary": ordinary,
-             "dev_residual_ratio": dev_ho["residual_ratio"],
+             "dev_residual_ratio": dev_ho["residual_ratio"], "events_before_scoring": ctx.blind_events,
+             "own_generation_replay": "not replayed: the blind chat was not re-generated by the engine from its "
+                                      "recorded prompt, seed and sampler (the sign-off is stamped weakened)",
              "absolute_residual_vs_dev": (slop["p_after"] / dev_after) if slop.get("p_after") and dev_after else None,
              "comparisons": _blind_comparisons(slop, ordinary, sh.flips, sh.turn_ends, dev_rep, th)}
     ev = B.Evidence(thresholds=th, mode=B.MODE_BLIND, bundle=ctx.bundle, proxy=sh.proxy, blind=blind)
@@ -931,6 +967,8 @@ class AuditContext:
     sets_rep: object = None  # dev: the SetsReport (blind documents excluded)
     docs: list[DocResult] = field(default_factory=list)
     doc_paths: dict[str, str] = field(default_factory=dict)
+    content: dict = field(default_factory=dict)  # the experiment's content (l47.data.sets.experiment_content)
+    blind_events: dict = field(default_factory=dict)  # blind: events per phrase before scoring (blind_slop_events)
 
     @property
     def th(self):
@@ -999,13 +1037,15 @@ def load_context(args: AuditArgs) -> AuditContext:
     record = read_record(rpath) if rpath.is_file() else None
     w = load_tail_weights(base_g, policy=args.policy, device=args.device, precision=args.precision)
     refuse_other_model(base_g, bundle_g, w.target, record)
+    content = check_handoffs(args, exp, record, rpath)
     W_new, bsha = edited_weight(w, args.bundle, args.device)
     vocab = load_vocab(exp, base_g, w.V)
     pts, _ = phrases_to_tuples(exp.phrases, vocab)
     ctx = AuditContext(args=args, mode=B.MODE_BLIND if args.blind else B.MODE_DEV, exp=exp,
                        ledgers=ledgers, w=w, W_new=W_new, bsha=bsha, record=record, record_path=rpath,
                        bundle=bundle_figures(base_g, bundle_g, w, W_new, record), vocab=vocab, pts=pts,
-                       spec=make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name))
+                       spec=make_spec(pts, args.penalty_bias, model_sha256=w.model_sha256, vocab=vocab.name),
+                       content=content)
     if exp.policy != args.policy:
         ctx.notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
     from l47.data.identity import other_model_notes
@@ -1016,7 +1056,56 @@ def load_context(args: AuditArgs) -> AuditContext:
     if ctx.mode == B.MODE_BLIND:
         ctx.dev_rep, ctx.blind_shas = _blind_prechecks(args, bsha, record, exp, ledgers, vocab.special_ids,
                                                       w.model_sha256, exp.thresholds.overlap_window)
+        check_dev_handoff(args, ctx.dev_rep, content)
+        ctx.blind_events = blind_slop_events(args.blind, pts, exp.thresholds.non_event_p)
     return ctx
+
+
+def check_handoffs(args: AuditArgs, exp, record, record_path: Path) -> dict:
+    """The experiment's content at hand (l47.data.sets.experiment_content: token hashes, never a score), and
+    the refusal of a solve record made from other inputs (check_handoff: one line naming both hashes and what
+    changed), held to what a solve reads: its scored sets may gain or lose documents since (the dev report of a
+    blind sign-off is held to all of it: check_dev_handoff)."""
+    from l47.data.sets import HANDOFF_SOLVE, check_handoff, experiment_content
+
+    content = experiment_content(exp)
+    if record is not None:
+        check_handoff(record_path, "solve record", record.experiment_content, record.experiment_content_sha256,
+                      content, exp.path, view=HANDOFF_SOLVE)
+    return content
+
+
+def check_dev_handoff(args: AuditArgs, dev: dict, content: dict) -> None:
+    """The blind sign-off: refuse a dev report made from other inputs than the experiment at hand (all of its
+    content but the blind set; check_handoff)."""
+    from l47.data.sets import check_handoff
+
+    e = (dev.get("inputs") or {}).get("experiment") or {}
+    check_handoff(args.dev_report, "dev report", e.get("content"), str(e.get("content_sha256") or ""), content,
+                  args.experiment)
+
+
+def blind_slop_events(paths, pts, non_event_p: float) -> dict:
+    """The blind set's slop events per phrase before it is scored (l47.data.sets.blind_event_counts: its tokens
+    and the engine's recorded base log p); refused (L47Error) when it holds none — a blind set without a slop
+    event cannot sign off slop, and scoring it would burn it for nothing."""
+    from l47.data.sets import blind_event_counts
+    from l47.dumps import read_dump
+
+    per: dict[str, int] = {}
+    occ: dict[str, int] = {}
+    for p in paths:
+        d = read_dump(p, validate=False)
+        e, o = blind_event_counts(d.tokens, d.role, pts, d.ref_logp, non_event_p)
+        for ph in e:
+            per[ph], occ[ph] = per.get(ph, 0) + e[ph], occ.get(ph, 0) + o[ph]
+    if not sum(per.values()):
+        where = paths[0] if len(paths) == 1 else f"--blind ({len(paths)} documents)"
+        raise L47Error(where, "slop events", f"at least one prefix-exact event of a banned phrase (base p >= "
+                       f"non_event_p {non_event_p:g}) in the blind set: without one it cannot sign off slop",
+                       f"none ({sum(occ.values())} prefix-exact occurrence(s), each below non_event_p by the "
+                       "engine's recorded log p)" if sum(occ.values()) else "none (no banned phrase occurs)")
+    return {"per_phrase": per, "occurrences": occ}
 
 
 class SetTicker:
@@ -1119,12 +1208,17 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
     from l47.data.ledger import EV_BLIND_VERDICT
     from l47.evals.report import write_reports
 
+    from l47.data.sets import content_sha256
+
     args, passed = ctx.args, all(b.passed for b in bar_list)
     blind = ctx.mode == B.MODE_BLIND
+    # every threshold moved the way that proves less, and (blind) the own generation not replayed by the engine
+    weak = B.weakened(ctx.th) + ([B.NOT_REPLAYED] if blind else [])
     inputs = {
         "bundle": {"path": str(args.bundle), "sha256": ctx.bsha},
         "base": {"path": str(args.base), "sha256": ctx.w.model_sha256},
-        "experiment": {"path": str(args.experiment), "sha256": _file_sha(args.experiment)},
+        "experiment": {"path": str(args.experiment), "sha256": _file_sha(args.experiment),
+                       "content_sha256": content_sha256(ctx.content), "content": ctx.content},
         "record": {"path": str(ctx.record_path), "sha256": _file_sha(ctx.record_path)} if ctx.record else None,
         "dev_report": {"path": str(args.dev_report), "sha256": _file_sha(args.dev_report)} if ctx.dev_rep else None,
         "blind": _blind_inputs(args.blind, ctx.blind_shas) if blind else None,
@@ -1137,7 +1231,8 @@ def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: 
     }
     report = clean({
         "schema": AUDIT_SCHEMA, "toolkit_version": toolkit_version(), "mode": ctx.mode, "passed": passed,
-        "exit_code": 0 if passed else 1, "stamps": B.stamps(ctx.th, sh.proxy) + _identity_stamps(ctx), "inputs": inputs,
+        "exit_code": 0 if passed else 1, "stamps": B.stamps(ctx.th, sh.proxy, weak) + _identity_stamps(ctx),
+        "weakened": weak, "inputs": inputs,
         "thresholds": {**ctx.th.to_dict(), "penalty_bias": args.penalty_bias},
         "bars": [b.to_dict() for b in bar_list], **figures, "notes": ctx.notes,
     })

@@ -90,26 +90,50 @@ class BarDef:
     mode: str = MODE_DEV
     optional: bool = False  # no data -> n/a instead of FAIL
     threshold_from: str = ""
+    reads: tuple[tuple[str, str], ...] = ()  # other thresholds the measure depends on: (name, the way it proves less)
 
 
 REGISTRY: dict[str, BarDef] = {}
 
 
+HIGHER, LOWER = "higher", "lower"  # the way a threshold moves to prove less (weakened_thresholds)
+
+
 def register(name: str, *, family: str, direction: str, threshold: str | None, aggregation: str, definition: str,
-             mode: str = MODE_DEV, optional: bool = False, threshold_from: str = ""):
-    """Decorator: add a bar function to the registry (names are unique). Many parameters because the keyword
-    parameters ARE the bar's metadata (registered as data, shown in every report)."""
+             mode: str = MODE_DEV, optional: bool = False, threshold_from: str = "",
+             reads: tuple[tuple[str, str], ...] = ()):
+    """Decorator: add a bar function to the registry (names are unique). `reads`: the other thresholds the
+    bar's measure depends on (a guard or a selection rule that decides what it measures), each with the way it
+    moves to prove less (HIGHER / LOWER); the bar's own `threshold` has the way its direction implies.
+    Many parameters because the keyword parameters ARE the bar's metadata (registered as data, shown in every
+    report)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"bar {name}: direction {direction!r}")
+    if any(way not in (HIGHER, LOWER) for _, way in reads):
+        raise ValueError(f"bar {name}: reads {reads!r}")
 
     def deco(fn):
         if name in REGISTRY:
             raise ValueError(f"bar {name} registered twice")
         REGISTRY[name] = BarDef(name, family, direction, threshold, aggregation, definition, fn, mode, optional,
-                                threshold_from or (f"thresholds.{threshold}" if threshold else ""))
+                                threshold_from or (f"thresholds.{threshold}" if threshold else ""), tuple(reads))
         return fn
 
     return deco
+
+
+def threshold_directions() -> dict[str, tuple[str, str]]:
+    """threshold name -> (the way it moves to prove less, the bar that says so), from the registry alone: a
+    bar's own threshold proves less raised when the bar is `<=` and lowered when it is `>=`; a threshold a bar
+    `reads` carries its declared way. Two bars that disagree on a threshold's way are a registry error."""
+    out: dict[str, tuple[str, str]] = {}
+    for bd in REGISTRY.values():
+        own = [(bd.threshold, HIGHER if bd.direction == LE else LOWER)] if bd.threshold else []
+        for th, way in own + list(bd.reads):
+            if th in out and out[th][0] != way:
+                raise ValueError(f"threshold {th}: bar {bd.name} says {way}, bar {out[th][1]} says {out[th][0]}")
+            out.setdefault(th, (way, bd.name))
+    return out
 
 
 def compare(value: float | None, threshold: float | None, direction: str) -> bool:
@@ -203,7 +227,7 @@ def _bundle_scope(ev: Evidence) -> Measure:
 @register("proxy.base_ce", family="not a proxy", direction=LE, threshold=None, mode=MODE_BOTH,
           aggregation="max over every scored document of its base CE over content targets (the worst document is "
                       "named; the token-pooled mean is reported beside it)",
-          threshold_from="thresholds.ce_proxy_frac · ln V",
+          threshold_from="thresholds.ce_proxy_frac · ln V", reads=(("ce_proxy_frac", HIGHER),),
           definition="base CE of the exact tail forward on EACH scored document: text the model finds unnatural "
                      "(near ln V) is no evidence for bars (f), (g) or the slop bar, and a proxy sits near ln V")
 def _proxy_ce(ev: Evidence) -> Measure:
@@ -237,19 +261,27 @@ def _proxy_zero(ev: Evidence) -> Measure:
 
 
 @register("proxy.own_generation", family="not a proxy", direction=LE, threshold="sampler_max_violation_frac",
-          mode=MODE_BOTH, aggregation="max over the scored documents that claim generated text of (tokens outside "
-          "the recorded sampler's support) / (tokens checked); the worst document is named",
+          mode=MODE_BOTH, reads=(("sampler_tol", HIGHER),),
+          aggregation="max over the scored documents that claim generated text of (tokens outside the recorded "
+                      "sampler's support) / (tokens checked); the worst document is named",
           definition="a document whose provenance says `generated` must be what its recorded sampler (temperature, "
                      "top-k, top-p, min-p) could draw from the base model's exact logits: greedy -> the argmax, "
                      "top-k -> among the k most probable, top-p -> inside the nucleus (l47.dumps.select."
                      "sampler_violations, thresholds.sampler_tol nats of slack). The blind document must claim it "
-                     "and be checkable (a sampler that admits every token proves nothing); in a dev audit, "
-                     "documents that claim no generation are not judged")
+                     "and be checkable (a sampler that admits every token proves nothing; one wider than the "
+                     "toolkit's own top-k / top-p cuts, e.g. min-p 1e-30 alone, is refused before scoring, and in "
+                     "a dev audit fails this bar); the blind chat is not replayed by the engine, so the sign-off "
+                     "is stamped weakened (own_generation.replay); in a dev audit, documents that claim no "
+                     "generation are not judged")
 def _proxy_own(ev: Evidence) -> Measure:
     own = ev.proxy.get("own_generation") or {}
     frac = {k: v["outside"] / v["checked"] for k, v in own.items() if v["checked"]}
     undecided = sorted(k for k, v in own.items() if not v["checked"])
-    det = {"per_doc": own, "undecided": undecided}
+    wider = sorted(k for k, v in own.items() if v.get("wider"))
+    det = {"per_doc": own, "undecided": undecided, "wider": wider}
+    if wider:  # a claim of generation under a sampler no check can bound is no evidence (l47.data.sets.sampler_wider)
+        return Measure(None, {**det, "why": f"{len(wider)} document(s) claim generation under a sampler wider than "
+                                            f"the toolkit's own (first: {wider[0]}: {own[wider[0]]['wider']})"})
     if ev.mode == MODE_BLIND and (not own or undecided):
         det["why"] = ("the blind document claims no generated text (provenance)" if not own else
                       "the blind document's recorded sampler admits tokens this check cannot bound (no top-k <= "
@@ -279,7 +311,7 @@ def _a_prefix(ev: Evidence) -> Measure:
 
 
 @register("a.events", family="(a)", direction=LE, threshold=None, aggregation="count over the record's slop terms",
-          threshold_from="thresholds.non_event_p",
+          threshold_from="thresholds.non_event_p", reads=(("non_event_p", LOWER),),
           definition="positions the record's slop objective touched whose base p(rejected) < non_event_p "
                      "(non-events: suppressing almost-never to almost-never, seed §3 (2)); the audit's own forward")
 def _a_events(ev: Evidence) -> Measure:
@@ -291,6 +323,8 @@ def _a_events(ev: Evidence) -> Measure:
 
 
 @register("b.natural", family="(b)", direction=LE, threshold=None, aggregation="count over documents",
+          reads=(("salad_ngram", HIGHER), ("salad_max_ngram_repeat", HIGHER), ("salad_max_dup_lines", HIGHER),
+                 ("ce_proxy_frac", HIGHER), ("sampler_max_violation_frac", HIGHER), ("sampler_tol", HIGHER)),
           definition="documents holding the record's slop positions that are not accepted training documents "
                      "(not in train, or refused by the provenance / word-salad / CE / sampler guards)")
 def _b_natural(ev: Evidence) -> Measure:
@@ -310,6 +344,7 @@ def _c_frac(ev: Evidence) -> Measure:
 
 
 @register("c.disjoint", family="(c)", direction=LE, threshold=None, aggregation="count of documents",
+          reads=(("overlap_window", HIGHER),),
           definition="documents of the solve record (inputs and touched positions) or of the solver's sets that "
                      "are also in a scored set (heldout, collateral_eval, chat_heldout, kld.*, blind), by sha256")
 def _c_disjoint(ev: Evidence) -> Measure:
@@ -344,6 +379,7 @@ def _c_slop(ev: Evidence) -> Measure:
 
 
 @register("c.min_heldout_per_phrase", family="(c)", direction=GE, threshold="min_heldout_per_phrase",
+          reads=(("min_train_per_phrase", LOWER),),  # plan / solve refuse a phrase thinner than it (l47.data.thin)
           aggregation="min over the experiment's phrases (a phrase with no held-out event counts 0)",
           definition="held-out events per phrase: too few and the per-phrase slop figure is noise (seed §6.3)")
 def _c_min(ev: Evidence) -> Measure:
@@ -358,7 +394,8 @@ def _c_min(ev: Evidence) -> Measure:
           definition="figures the solve record claims that the audit re-derives and finds different "
                      "(tolerance: 1e-4 absolute + 1e-3 relative), plus an unexplained convergence failure: stop "
                      "reason iteration_cap, or max constraint violation above its tolerance (explained by a record "
-                     "note starting \"convergence:\")")
+                     "note starting \"convergence:\" with its reason; at the iteration cap only with the figures "
+                     "beside it: the iterations run and the dev residual per phrase at the stop, re-derived)")
 def _claims(ev: Evidence) -> Measure:
     c = ev.claims
     if not c.get("present"):
@@ -383,7 +420,7 @@ def _d_word(ev: Evidence) -> Measure:
 
 @register("d.frac_below", family="(d)", direction=LE, threshold="collateral_frac_below",
           aggregation="pooled over every collateral_eval occurrence", threshold_from="thresholds.collateral_frac_below "
-          "(below thresholds.collateral_below nats)",
+          "(below thresholds.collateral_below nats)", reads=(("collateral_below", LOWER),),
           definition="share of collateral occurrences losing more than |collateral_below| nats")
 def _d_frac(ev: Evidence) -> Measure:
     c = ev.collateral
@@ -577,6 +614,7 @@ register("blind.g.kld", family="blind", direction=LE, threshold="chat_kld", mode
 @register("blind.slop_residual", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
           aggregation="mean p_after / mean p_before over the blind set's slop events",
           threshold_from="thresholds.blind_residual_factor × the dev report's held-out residual ratio",
+          reads=(("blind_residual_factor", HIGHER),),
           definition="slop residual ratio (mean p after / mean p before) on the blind set vs the dev report's "
                      "held-out residual ratio")
 def _blind_resid(ev: Evidence) -> Measure:
@@ -608,38 +646,44 @@ def _blind_resid_abs(ev: Evidence) -> Measure:
 # ----------------------------------------------------------------------------------------------------------
 # stamps on the report's summary line
 
-# thresholds whose change in this direction makes a bar easier: "lower" (a minimum lowered) or "higher"
-WEAKENING = {
-    "min_heldout_per_phrase": "lower", "min_train_per_phrase": "lower", "collateral_min_total": "lower", "collateral_min_per_word": "lower",
-    "heldout_frac": "lower", "slop_reduction": "lower", "collateral_word_mean": "lower",
-    "chat_ordinary_dlogp": "lower", "im_end_dlogp": "lower",
-    "collateral_frac_below": "higher", "kld_max": "higher", "chat_kld": "higher", "special_rise_tol": "higher",
-    "blind_residual_factor": "higher", "blind_residual_abs": "higher", "zero_proxy_tol": "higher",
-    "ce_proxy_frac": "higher", "overlap_window": "higher",
-}
-
-
-def weakened(thresholds) -> list[str]:
-    """Thresholds set in the direction that makes a bar easier than its default (DESIGN §6), as
-    "name value (default d)"; a report with any is stamped "weakened"."""
+def weakened(thresholds) -> list[dict]:
+    """Every threshold moved from its default in the way that proves less (threshold_directions: one rule, read
+    from the registry), as {key, default, value, weaker, bar}; a report with any is stamped "weakened". Moving a
+    threshold the other way (a stricter audit) is not a weakening."""
     from dataclasses import fields as dc_fields
 
+    ways = threshold_directions()
     out = []
     for f in dc_fields(thresholds):
-        way = WEAKENING.get(f.name)
+        if f.name not in ways:
+            continue
+        way, bar = ways[f.name]
         v, d = getattr(thresholds, f.name), f.default
-        if way and ((way == "lower" and v < d) or (way == "higher" and v > d)):
-            out.append(f"{f.name} {v:g} (default {d:g})")
+        if (way == LOWER and v < d) or (way == HIGHER and v > d):
+            out.append({"key": f.name, "default": d, "value": v, "weaker": way, "bar": bar})
     return out
 
 
-def stamps(thresholds, proxy: dict) -> list[str]:
-    """The report's stamps: "weakened: …" when a bar was made easier, "unverified: …" when dumps without the
-    engine's own log p were accepted (--allow-unverified)."""
+NOT_REPLAYED = {"key": "own_generation.replay", "default": "replayed", "value": "not replayed", "weaker": "",
+                "bar": "proxy.own_generation"}  # the blind chat was not re-generated by the engine (DESIGN §6)
+
+
+def weakened_text(item: dict) -> str:
+    """One weakening as the summary line shows it: "key value (default d)"."""
+    v, d = item["value"], item["default"]
+    if isinstance(v, (int, float)) and isinstance(d, (int, float)):
+        return f"{item['key']} {v:g} (default {d:g})"
+    return f"{item['key']} {v} (default {d})"
+
+
+def stamps(thresholds, proxy: dict, weakenings: list[dict] | None = None) -> list[str]:
+    """The report's stamps: "weakened: …" when a bar was made easier (`weakenings`: weakened(thresholds) and
+    any evidence the run could not gather, e.g. NOT_REPLAYED), "unverified: …" when dumps without the engine's
+    own log p were accepted (--allow-unverified)."""
     out = []
-    w = weakened(thresholds)
+    w = weakened(thresholds) if weakenings is None else weakenings
     if w:
-        out.append("weakened: " + ", ".join(w))
+        out.append("weakened: " + ", ".join(weakened_text(x) for x in w))
     if proxy.get("unverified") and proxy.get("allow_unverified"):
         out.append(f"unverified: {len(proxy['unverified'])} dump(s) without engine log p")
     return out

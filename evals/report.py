@@ -88,6 +88,16 @@ def _md_head(r: dict) -> list[str]:
     return L
 
 
+def _md_weakened(r: dict) -> list[str]:
+    """What was relaxed from the defaults (l47.evals.bars.weakened) and evidence not gathered (blind: replay)."""
+    w = r.get("weakened") or []
+    if not w:
+        return []
+    return ["## Weakened", "", "Each moved from its default in the way that proves less (the bar named reads it):",
+            ""] + _table(["key", "default", "value", "proves less when", "bar"],
+                         [[x["key"], x["default"], x["value"], x.get("weaker") or "—", x.get("bar", "")] for x in w])
+
+
 def _md_bars(r: dict) -> list[str]:
     """Every registered bar and the thresholds used."""
     L: list[str] = []
@@ -309,8 +319,8 @@ def _md_penalty(r: dict) -> list[str]:
     return L
 
 
-_MD_SECTIONS = (_md_head, _md_bars, _md_bundle, _md_proxy, _md_record, _md_split, _md_collateral, _md_kld, _md_chat,
-                _md_penalty)
+_MD_SECTIONS = (_md_head, _md_weakened, _md_bars, _md_bundle, _md_proxy, _md_record, _md_split, _md_collateral,
+                _md_kld, _md_chat, _md_penalty)
 
 
 def _interval_head(s: dict) -> str:

@@ -197,11 +197,14 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
     """Load and check every input before any solving: model, output path, config, target type, sets report."""
     from l47.data.experiment import load_experiment
     from l47.data.ledger import Ledger
-    from l47.data.sets import build_sets, load_sets_report
+    from l47.data.sets import build_sets, check_sets_report, load_sets_report
     from l47.model.gguf_io import open_gguf
     from l47.model.weights import load_tail_weights
 
     exp = load_experiment(args.experiment)
+    given = load_sets_report(args.sets_json) if args.sets_json else None
+    if given is not None:  # made from these inputs? (token hashes only: before the model is read)
+        check_sets_report(given, exp, args.sets_json)
     model = args.model or exp.model
     if model is None:
         raise L47Error(exp.path, "model", "a base GGUF (experiment `model` or --model)", "none")
@@ -217,8 +220,10 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
     # the base model's ledger, validated before any scoring; every document this solve may score is in it first
     ledger = Ledger.open(args.ledger, base_g.sha256())
     built = not args.sets_json
-    report = (build_sets(exp, w, device=args.device, ledger=ledger, command="solve") if built
-              else load_sets_report(args.sets_json))
+    if given is not None and given.model_sha256 != w.model_sha256:
+        raise L47Error(args.sets_json, "model_sha256", f"{w.model_sha256[:16]}… (the base model given, {model})",
+                       f"{given.model_sha256[:16]}… (a sets report of another model: {given.model})")
+    report = build_sets(exp, w, device=args.device, ledger=ledger, command="solve") if built else given
     refuse_thin(exp, report)
     ledger.append([d.sha256 for d in report.docs if d.set in SOLVER_SETS and not d.refused and d.sha256],
                   w.model_sha256, "solve")
@@ -585,7 +590,7 @@ def _write_bundle_and_record(plan: SolvePlan, sel: Selection, prob: Problem, shi
                              config=plan.cfg.to_dict(), inputs=inputs, touched=touched_terms(sel, prob, plan.cfg.method),
                              claims=claims, notes=list(warnings) + plan.dumps.other_model_notes,
                              numerics=plan.w.numerics.record(), stamps=_stamps(plan.dumps.other_model_notes),
-                             sweep=sweep)
+                             sweep=sweep, experiment_content=r.content, experiment_content_sha256=r.content_sha256)
     record_tmp.write_text(record.to_json(), encoding="utf-8")
     return record
 

@@ -290,6 +290,12 @@ def test_collateral_excludes_banned_prefixes(report, tiny_vocab):
 def test_warnings_and_phrase_report(report):
     w = " | ".join(report.warnings)
     assert "set 'blind': zero events" in w  # a set with zero events is named; the rest is still reported
+    assert "`l47 audit --blind` refuses a blind set without a slop event" in w
+    # the blind set's events per phrase, counted by its tokens (never scored here): its chat holds no phrase
+    assert report.blind_events["docs"] == 1 and set(report.blind_events["per_phrase"]) == {
+        p["phrase"] for p in report.phrases if p["tuples"]}
+    assert not any(report.blind_events["per_phrase"].values()) and not any(report.blind_events["occurrences"].values())
+    assert all(c.get("blind") == 0 for ph, c in report.counts("events").items() if ph in report.blind_events["per_phrase"])
     assert "phrase 'end to end': 0 held-out events (< 3)" in w  # all its candidates are non-events here
     assert "collateral_eval" in w  # fewer than 200 occurrences
     assert any(i["phrase"] == "the" and "single token" in i["reason"] for i in report.phrase_issues)

@@ -207,7 +207,8 @@ def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
     r = rec.SolveRecord(method="negative-control", toolkit_version=l47.__version__, seed=0,
                         base_sha256=open_gguf(base).sha256(), bundle_sha256=open_gguf(bundle).sha256(),
                         target="", config={"word_id": word_id}, inputs=[], touched=touched,
-                        claims=rec.SolveClaims())
+                        claims=rec.SolveClaims(), experiment_content=sets_report.content,
+                        experiment_content_sha256=sets_report.content_sha256)
     p = rec.record_path_for(bundle)
     write_text_atomic(p, r.to_json())
     return p

@@ -359,9 +359,10 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
     exp = _exp(args.experiment)
     resolve_config(exp.solver, args.method, str(exp.path))  # every knob checked before the model is read
     if args.sets_json is not None:
-        from l47.data.sets import load_sets_report
+        from l47.data.sets import check_sets_report, load_sets_report
 
-        load_sets_report(args.sets_json)  # a bad sets report fails now, not after the model is loaded
+        # a bad or stale sets report fails now, not after the model is loaded
+        check_sets_report(load_sets_report(args.sets_json), exp, args.sets_json)
     model = args.model or exp.model
     ins = experiment_inputs(exp) + [(model, "base model"), (args.sets_json, "sets report")]
     out = Path(args.out)
@@ -383,9 +384,9 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
 def check_plan(experiment, json_out, model, sets_json, force=False) -> None:
     exp = _exp(experiment)
     if sets_json is not None:
-        from l47.data.sets import load_sets_report
+        from l47.data.sets import check_sets_report, load_sets_report
 
-        load_sets_report(sets_json)
+        check_sets_report(load_sets_report(sets_json), exp, sets_json)  # made from this experiment's content?
     ins = experiment_inputs(exp) + [(model or exp.model, "base model"), (sets_json, "sets report")]
     check_outputs([Output(_file_out(json_out), PLAN_JSON, "--json")], ins, force=force)
 

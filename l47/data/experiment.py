@@ -132,7 +132,11 @@ THRESHOLD_RANGES: dict[str, tuple[float | None, float | None]] = {
     "zero_proxy_tol": (0.0, None), "ce_proxy_frac": (0.0, None), "salad_ngram": (1, None),
     "salad_max_ngram_repeat": (0.0, 1.0), "salad_max_dup_lines": (0.0, 1.0),
     "sampler_max_violation_frac": (0.0, 1.0), "sampler_tol": (0.0, None),
+    "overlap_window": (16, None),  # OVERLAP_WINDOW_FLOOR: see below
 }
+# the shortest content window that counts as a copy: below it (0 switched the check off) near-duplicates of
+# training documents would pass as held-out evidence, and a raise above the default is stamped "weakened"
+OVERLAP_WINDOW_FLOOR = THRESHOLD_RANGES["overlap_window"][0]
 
 
 def _range_text(lo, hi) -> str:
@@ -233,8 +237,16 @@ def parse_thresholds(d: dict, where: Path | str = "thresholds") -> Thresholds:
         if f.name in d:
             kind = int if isinstance(f.default, int) else float
             lo, hi = THRESHOLD_RANGES.get(f.name, (None, None))
+            if f.name == "overlap_window" and _is_number(d[f.name]) and d[f.name] < OVERLAP_WINDOW_FLOOR:
+                raise L47Error(where, "thresholds.overlap_window", f"a window of at least {OVERLAP_WINDOW_FLOOR} "
+                               "content tokens (shorter, near-duplicates of training documents pass as held-out)",
+                               repr(d[f.name]))
             kw[f.name] = _num(where, f"thresholds.{f.name}", d[f.name], kind, lo, hi)
     return Thresholds(**kw)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def load_experiment(path, check_files: bool = True) -> Experiment:

@@ -11,7 +11,8 @@ re-mining (seed §5.3: the failure was positions the solver added).
 JSON form (`schema` = RECORD_SCHEMA = 3; documented in docs/ARCHITECTURE.md "The solve record"): the dataclasses
 below as nested objects (`dataclasses.asdict`), keys sorted; an absent optional claim is `null`. Schemas 1 (the
 same layout without `claims.convergence`) and 2 (without `sweep`, the candidates of `l47 solve --sweep`) are read
-as well: every field added since is optional.
+as well: every field added since is optional (`experiment_content` / `experiment_content_sha256`, what the solve
+was made from, included: the audit refuses a record without them).
 """
 
 from __future__ import annotations
@@ -207,6 +208,10 @@ class SolveRecord:
     numerics: dict = field(default_factory=dict)  # head precision used and its measured error (Numerics.record)
     stamps: list[str] = field(default_factory=list)  # facts the reader must see first (other_model_stamp)
     sweep: SweepRecord | None = None  # `l47 solve --sweep`: every candidate and the choice (schema ≥ 3)
+    # what the solve was made from (l47.data.sets.experiment_content of its sets report, and its hash): the audit
+    # refuses a record whose solve view of it is not the experiment at hand's (l47.data.sets.check_handoff)
+    experiment_content: dict | None = None
+    experiment_content_sha256: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -231,7 +236,8 @@ def read_record(path: Path) -> SolveRecord:
             inputs=[InputFile(**x) for x in d["inputs"]], touched=[Touched(**x) for x in d["touched"]],
             claims=SolveClaims.from_dict(d["claims"]), schema=RECORD_SCHEMA, notes=list(d.get("notes", [])),
             numerics=dict(d.get("numerics", {})), stamps=list(d.get("stamps", [])),
-            sweep=SweepRecord.from_dict(d.get("sweep")),
+            sweep=SweepRecord.from_dict(d.get("sweep")), experiment_content=d.get("experiment_content"),
+            experiment_content_sha256=str(d.get("experiment_content_sha256") or ""),
         )
     except (KeyError, TypeError) as e:
         raise L47Error(path, "solve record", "every field of SolveRecord", f"{type(e).__name__}: {e}") from None

@@ -35,6 +35,34 @@ CHAT_REQUIRED = ("chat_heldout", "blind")  # need turns, a <think> block and ter
 SAMPLER_TOPK = 64  # top-k of the base pass used by the sampler-consistency guard
 
 
+
+
+def sampler_wider(provenance) -> str | None:
+    """Why a document's declared sampler is wider than the toolkit's own generation settings, or None. The
+    toolkit samples (`l47 dump --generate`, l47.engine.hf) with a top-k and a top-p cut, and the own-generation
+    check (l47.dumps.select.sampler_violations, SAMPLER_TOPK columns) bounds a support only through such a cut: a
+    top-k ≤ SAMPLER_TOPK, a top-p < 1 at temperature ≤ 1, or greedy decoding. A min-p alone (1e-30 admits every
+    token) or no cut at all proves nothing about where the text came from. None also when no sampler is declared
+    (the provenance check names that)."""
+    from collections.abc import Mapping
+
+    g = dict(provenance or {}).get("generation")
+    smp = g.get("sampler") if isinstance(g, Mapping) else None
+    if not isinstance(smp, Mapping):
+        return None
+    try:
+        temp = float(smp.get("temperature", 1.0))
+        top_k = int(smp.get("top_k") or 0)
+        top_p = float(1.0 if smp.get("top_p") is None else smp.get("top_p"))
+    except (TypeError, ValueError):
+        return f"declared sampler {dict(smp)!r:.120} is not numbers"
+    if temp <= 0 or 1 <= top_k <= SAMPLER_TOPK or (0 < top_p < 1 and temp <= 1):
+        return None
+    shown = {k: smp.get(k) for k in ("temperature", "top_k", "top_p", "min_p") if k in smp}
+    return (f"declared sampler {shown} has no top-k <= {SAMPLER_TOPK} and no top-p < 1 at temperature <= 1: wider "
+            "than the toolkit's own generation settings (a top-k / top-p cut), so its support cannot be bounded")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # records
 
@@ -145,6 +173,11 @@ class SetsReport:
     warnings: tuple[str, ...]
     overlaps: tuple[Overlap, ...] = ()  # documents that are one document by content (see Overlap)
     stamps: tuple[str, ...] = ()  # facts the reader must see first (l47.data.identity.other_model_stamp)
+    # what it was made from (experiment_content): phrases, words, thresholds, set membership by token sha256;
+    # `l47 plan` / `l47 solve --sets` refuse a report whose content is not the experiment's at hand
+    content: dict | None = None
+    content_sha256: str = ""
+    blind_events: dict | None = None  # blind set, by tokens only (never scored here): blind_event_counts
 
     # --- views
     def set_names(self) -> list[str]:
@@ -161,6 +194,9 @@ class SetsReport:
                 continue
             c = out.setdefault(e.phrase, {})
             c[e.set] = c.get(e.set, 0) + 1
+        if what == "events" and self.blind_events:  # the blind set's, by its tokens (blind_event_counts)
+            for ph, n in self.blind_events["per_phrase"].items():
+                out.setdefault(ph, {})["blind"] = n
         return out
 
     def collateral_counts(self) -> dict[str, dict[str, int]]:
@@ -206,6 +242,132 @@ class SetsReport:
         })
 
 
+# ----------------------------------------------------------------------------------------------------------
+# the experiment's content: what every hand-off (sets report, solve record, dev report) was made from
+
+CONTENT_SCHEMA = "l47.experiment-content/1"
+HANDOFF_SETS = "sets"  # views of the content a hand-off must match: every part (a sets report, a dev report) ...
+HANDOFF_SOLVE = "solve"  # ... or what a solve reads (its record): scored sets may grow or shrink after a solve
+_SOLVE_KEYS = ("phrases", "collateral_words", "vocab", "policy", "split")
+
+
+def document_identities(paths) -> dict[str, str]:
+    """path -> the document's identity: the sha256 of its token ids (the header and tokens only are read, never
+    scored); a file that cannot be read as a dump is named by its bytes instead ("unreadable <sha256>")."""
+    from l47.dumps import doc_hash, read_dump
+
+    out = {}
+    for p in paths:
+        try:
+            out[str(p)] = read_dump(p, validate=False).sha256
+        except (L47Error, ValueError, KeyError, TypeError):
+            try:
+                out[str(p)] = f"unreadable {doc_hash(p)}"
+            except OSError:
+                out[str(p)] = "missing"
+        except OSError:
+            out[str(p)] = "missing"
+    return out
+
+
+def experiment_content(exp: Experiment, ids: dict[str, str] | None = None) -> dict:
+    """The experiment's parsed content, canonical: phrases (text, margin scale), collateral words, every
+    threshold, vocabulary source and weight policy, and each set's documents as the sorted sha256 of their token
+    ids (a split's pool likewise, with its seed and fractions). Not in it: file names and bytes, the name, the
+    solver table, and the blind set (blind documents are never an input of a solve or a dev audit; they are
+    added when the sign-off comes). `ids`: path -> identity (document_identities of the listed paths)."""
+    listed = [p for s, p in exp.documents() if s != "blind"]
+    ids = ids if ids is not None else document_identities(listed)
+    sets = {s: sorted(ids[str(p)] for p in ps) for s, ps in sorted(exp.sets.items()) if s != "blind"}
+    split = None if exp.split is None else {
+        "seed": exp.split.seed, "fractions": dict(sorted(exp.split.fractions.items())),
+        "pool": sorted(ids[str(p)] for p in exp.split.pool)}
+    return {"schema": CONTENT_SCHEMA, "phrases": sorted([p.text, p.margin_scale] for p in exp.phrases),
+            "collateral_words": sorted(exp.collateral_words), "thresholds": exp.thresholds.to_dict(),
+            "vocab": exp.vocab, "policy": exp.policy, "sets": sets, "split": split}
+
+
+def content_view(content: dict, view: str = HANDOFF_SETS) -> dict:
+    """The part of `content` a hand-off of kind `view` must match: everything (HANDOFF_SETS), or what a solve
+    reads (HANDOFF_SOLVE: phrases, words, vocabulary, policy, the solver's sets and the split). The thresholds
+    are not in the solve's view: an audit judges with its own, and one moved the way that proves less is stamped
+    "weakened" (l47.evals.bars.weakened)."""
+    if view == HANDOFF_SETS:
+        return content
+    return {**{k: content.get(k) for k in _SOLVE_KEYS},
+            "sets": {s: v for s, v in (content.get("sets") or {}).items() if s in SOLVER_SETS}}
+
+
+def content_sha256(content: dict, view: str = HANDOFF_SETS) -> str:
+    """sha256 of the canonical JSON of the view (sorted keys, no spaces)."""
+    import hashlib
+
+    text = json.dumps(content_view(content, view), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def content_changes(old: dict, new: dict, view: str = HANDOFF_SETS) -> list[str]:
+    """What changed from `old` to `new` (both experiment_content), in words: "phrase removed: 'x'", "document
+    added to set heldout (sha256 ab12…)", "threshold non_event_p: 0.01 -> 0.001", ..."""
+    a, b = content_view(old, view), content_view(new, view)
+    out: list[str] = []
+    pa, pb = dict(map(tuple, a.get("phrases") or [])), dict(map(tuple, b.get("phrases") or []))
+    out += [f"phrase removed: {t!r}" for t in pa if t not in pb] + [f"phrase added: {t!r}" for t in pb if t not in pa]
+    out += [f"phrase {t!r}: margin_scale {pa[t]:g} -> {pb[t]:g}" for t in pa if t in pb and pa[t] != pb[t]]
+    wa, wb = a.get("collateral_words") or [], b.get("collateral_words") or []
+    out += [f"collateral word removed: {x!r}" for x in wa if x not in wb]
+    out += [f"collateral word added: {x!r}" for x in wb if x not in wa]
+    ta, tb = a.get("thresholds") or {}, b.get("thresholds") or {}
+    out += [f"threshold {k}: {ta.get(k)} -> {tb.get(k)}" for k in sorted(set(ta) | set(tb)) if ta.get(k) != tb.get(k)]
+    out += [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in ("vocab", "policy") if a.get(k) != b.get(k)]
+    sa, sb = a.get("sets") or {}, b.get("sets") or {}
+    for s in sorted(set(sa) | set(sb)):
+        da, db = sa.get(s, []), sb.get(s, [])
+        out += [f"document removed from set {s} ({_doc_id_text(x)})" for x in da if x not in db]
+        out += [f"document added to set {s} ({_doc_id_text(x)})" for x in db if x not in da]
+    xa, xb = a.get("split") or {}, b.get("split") or {}
+    for k in ("seed", "fractions"):
+        if xa.get(k) != xb.get(k):
+            out.append(f"split {k}: {xa.get(k)} -> {xb.get(k)}")
+    pa_, pb_ = xa.get("pool") or [], xb.get("pool") or []
+    out += [f"document removed from the split pool ({_doc_id_text(x)})" for x in pa_ if x not in pb_]
+    out += [f"document added to the split pool ({_doc_id_text(x)})" for x in pb_ if x not in pa_]
+    return out or ["the content differs (schema)"]
+
+
+def _doc_id_text(x: str) -> str:
+    """A document identity (document_identities) shortened for a message."""
+    kind, _, h = x.rpartition(" ")
+    return f"{kind + ' file, bytes ' if kind else ''}sha256 {h[:12]}…" if h else x
+
+
+def check_handoff(path, what: str, stored: dict | None, stored_sha: str, at_hand: dict, exp_path,
+                  view: str = HANDOFF_SETS) -> None:
+    """Refuse a hand-off (`what`: "sets report", "solve record", "dev report" at `path`) whose experiment content
+    is not the one at hand (view `view`), in one line naming both hashes and what changed. A hand-off that names
+    no content, or whose content does not hash to the hash it names (edited by hand), is refused too."""
+    fixed = {HANDOFF_SETS: "l47 sets --json", HANDOFF_SOLVE: "l47 solve"}.get(view, "")
+    if not isinstance(stored, dict) or not stored_sha:
+        raise L47Error(path, f"{what} experiment content", "the content hash of the experiment it was made from "
+                       f"(written by this l47: re-run {'the dev audit' if what == 'dev report' else fixed})",
+                       "none (written before hand-offs were stamped)")
+    if content_sha256(stored, HANDOFF_SETS) != stored_sha:
+        raise L47Error(path, f"{what} experiment content", f"content hashing to its content_sha256 "
+                       f"{stored_sha[:16]}…", f"{content_sha256(stored)[:16]}… (edited after it was written)")
+    mine, theirs = content_sha256(at_hand, view), content_sha256(stored, view)
+    if mine != theirs:
+        ch = content_changes(stored, at_hand, view)
+        more = f" (+{len(ch) - 3} more)" if len(ch) > 3 else ""
+        raise L47Error(path, f"{what} experiment content", f"{mine[:16]}… (the experiment at hand, {exp_path})",
+                       f"{theirs[:16]}… (made from other inputs: " + "; ".join(ch[:3]) + more + ")")
+
+
+def check_sets_report(report: SetsReport, exp: Experiment, path) -> None:
+    """`l47 plan` / `l47 solve --sets`: refuse (check_handoff) a sets report not made from this experiment's
+    content — another experiment's, or this one's before a phrase, a threshold or a document changed."""
+    check_handoff(path, "sets report", report.content, report.content_sha256, experiment_content(exp), exp.path)
+
+
 def load_sets_report(path) -> SetsReport:
     path = Path(path)
     try:
@@ -239,6 +401,7 @@ class _Doc:
     content: np.ndarray | None = None  # [C] content token ids for the near-duplicate windows
     systems: tuple = ()  # system-role spans (id tuples)
     ids_roles: tuple | None = None  # (tokens [T+1], role [T]) kept for content_of
+    blind_counts: tuple | None = None  # blind set: (events, occurrences) per phrase (blind_event_counts)
 
     def content_of(self, exclude) -> np.ndarray:
         from l47.dumps.select import content_ids
@@ -332,6 +495,7 @@ def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
     if d.set == "blind":
         stats, logp = None, np.full(dump.T, np.nan)  # [T]
         d.events, d.collateral = [], []
+        d.blind_counts = blind_event_counts(tokens, role, ctx.phrases, dump.ref_logp, ctx.thresholds.non_event_p)
     else:
         own = d.set in GUARDED or claims_generation(dump.meta.provenance)  # the sampler check needs a top-k
         stats = ctx.base_stats(dump, min(SAMPLER_TOPK, w.V) if own else 1)
@@ -538,9 +702,44 @@ def _records(docs: list, thr: float) -> tuple[list, list, list]:
     return ev, nev, col
 
 
-def _warnings(exp, th, issues, docs, ev, col, phrases, words) -> list[str]:
+def blind_event_counts(tokens, role, phrases, ref_logp, non_event_p: float) -> tuple[dict, dict]:
+    """A blind document's slop events per phrase WITHOUT scoring it (only `l47 audit --blind` may, once):
+    prefix-exact occurrences of a banned tuple (tokens [T+1], role [T]), and of those the events — base p of
+    the final token ≥ non_event_p by the engine's own log p recorded in the dump (ref_logp [T], the base model
+    that generated it); without ref_logp every occurrence counts. -> ({phrase: events}, {phrase: occurrences})."""
+    from l47.dumps.select import find_events
+
+    ev: dict[str, int] = {pt.phrase: 0 for pt in phrases if pt.tuples}
+    occ = dict(ev)
+    for e in find_events(np.asarray(tokens, dtype=np.int64), phrases, role):
+        occ[e.phrase] = occ.get(e.phrase, 0) + 1
+        if ref_logp is None or math.exp(float(ref_logp[e.pos])) >= non_event_p:
+            ev[e.phrase] = ev.get(e.phrase, 0) + 1
+    return ev, occ
+
+
+def _blind_events(docs: list, exp: Experiment, thr: float) -> dict | None:
+    """The blind set's events per phrase (blind_event_counts, summed over its readable documents); None when
+    the experiment lists no blind set."""
+    if "blind" not in exp.sets:
+        return None
+    got = [d.blind_counts for d in docs if d.set == "blind" and d.blind_counts is not None]
+    per: dict[str, int] = {}
+    occ: dict[str, int] = {}
+    for e, o in got:
+        for ph, n in e.items():
+            per[ph] = per.get(ph, 0) + n
+        for ph, n in o.items():
+            occ[ph] = occ.get(ph, 0) + n
+    return {"docs": len(got), "per_phrase": per, "occurrences": occ, "non_event_p": thr,
+            "measured": "prefix-exact occurrences whose base p by the engine's recorded log p (ref_logp) is >= "
+                        "non_event_p; never scored here"}
+
+
+def _warnings(exp, th, issues, docs, ev, col, phrases, words, blind=None) -> list[str]:
     """What a user should know about the sets: unusable phrases, refused documents, empty sets, too few held-out
-    events or collateral occurrences. (Eight inputs: every one is a different part of the report being built.)"""
+    events or collateral occurrences, a blind set with no slop event. Many parameters because every one is a
+    different part of the report being built."""
     warnings: list[str] = []
     for i in issues:
         if i.reason.startswith("no multi-token variant"):
@@ -555,9 +754,14 @@ def _warnings(exp, th, issues, docs, ev, col, phrases, words) -> list[str]:
     n_ev = {}
     for r in ev:
         n_ev[r.set] = n_ev.get(r.set, 0) + 1
+    if blind is not None:  # never scored here: its events by tokens and the engine's recorded log p
+        n_ev["blind"] = sum(blind["per_phrase"].values())
     for s in EVENT_SETS:
         listed = s in exp.sets or (exp.split is not None and s in SPLIT_SETS)
-        if listed and accepted.get(s, 0) == 0:
+        if listed and s == "blind" and accepted.get(s, 0) and not n_ev.get(s):
+            warnings.append(f"set 'blind': zero events in {accepted[s]} document(s) (by its tokens and the "
+                            "engine's recorded log p): `l47 audit --blind` refuses a blind set without a slop event")
+        elif listed and accepted.get(s, 0) == 0:
             warnings.append(f"set {s!r}: no accepted documents")
         elif listed and n_ev.get(s, 0) == 0:
             warnings.append(f"set {s!r}: zero events in {accepted[s]} document(s)")
@@ -672,6 +876,8 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
         ledger.append(dump_content_hashes(p for s, p in exp.documents() if s != "blind").values(), w.model_sha256,
                       command)
     docs = _score_documents(exp, ctx, progress)
+    content = experiment_content(exp)
+    blind = _blind_events(docs, exp, th.non_event_p)
     split_info, overlaps = _by_content(docs, exp, th)
     ev, nev, col = _records(docs, th.non_event_p)
     return SetsReport(
@@ -683,5 +889,6 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
                             for i in issues),
         collateral_words=dict(words), special_ids=dict(vocab.special_ids), docs=tuple(d.report for d in docs),
         events=tuple(ev), non_events=tuple(nev), collateral=tuple(col), split=split_info,
-        warnings=tuple(_warnings(exp, th, issues, docs, ev, col, phrases, words)), overlaps=overlaps,
+        warnings=tuple(_warnings(exp, th, issues, docs, ev, col, phrases, words, blind)), overlaps=overlaps,
+        content=content, content_sha256=content_sha256(content), blind_events=blind,
     )
