@@ -5,10 +5,11 @@
 # header; `def` (no file) is the toolkit's defaults. Same setup as var.sh (scripts/gpu16/setup.sh). Start it
 # detached and poll (a call lasts 10 minutes at most):
 #   setsid nohup bash scripts/gpu16/zoo_var.sh "def relax0" "0" "demo model2 zoo123 zoo456" > build/gpu16/zv.log 2>&1 &
-# Writes build/gpu16/out/summary.tsv (var_summary.py) and build/gpu16/out/DONE.
+# Writes $ZV_OUT (default /tmp/zoo_var)/summary.tsv (var_summary.py) and DONE there. Poll with calls that carry
+# nothing: a call that carries build/gpu16 replaces that folder on the machine.
 VARS=$1; SEEDS=$2; MODELS=$3; P=${P:-8}; TO=${TO:-900}
 source scripts/gpu16/setup.sh
-O=build/gpu16/out; R=$PWD/build/zoo; mkdir -p $O $R
+O=${ZV_OUT:-/tmp/zoo_var}; R=$PWD/build/zoo; mkdir -p $O $R  # outside build/gpu16: a later call that carries build/gpu16 replaces it
 t0=$(date +%s)
 margs() {  # bench_efficacy's arguments naming one model
   case $1 in zoo*) echo "--zoo-seeds ${1#zoo} --zoo-root $R --models ''" ;; *) echo "--models $1" ;; esac
