@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from l47.model import names
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, batch_rows, ys_grad_mix
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
@@ -156,7 +155,7 @@ def _turn_end_directions(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig):
     background and train documents' rows whose target is <|im_end|>), at most n // 8 directions."""
     if pb.anchors is None or not pb.anchors.P or cfg.turn_end_energy <= 0:
         return None, []
-    ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+    ends = pb.turn_end_rows()
     if not ends:
         return None, []
     b = batch_rows(pb.anchors, torch.as_tensor(ends, device=pb.anchors.hh.device))

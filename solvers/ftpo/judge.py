@@ -143,7 +143,7 @@ class _TurnEnds:
         if arg0_dev is not None:
             tg = pb.dev_rows.target.to(arg0_dev.device)
             self.dev_idx = torch.nonzero((tg == pb.im_end) & (arg0_dev == pb.im_end))[:, 0]  # [Td]
-        ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+        ends = pb.turn_end_rows()
         if ends and pb.anchors is not None:
             b = batch_rows(pb.anchors, torch.as_tensor(ends, device=w.device))
             with torch.no_grad():

@@ -4,12 +4,14 @@ base-model row sets they act on, and `_Objective`, their weighted sum at chosen 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from l47.model import names
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, batch_cat, batch_mix, batch_rows, event_logps
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
@@ -179,7 +181,7 @@ class _Objective:
         self.w, self.pb, self.cfg, self.ev_group = w, pb, cfg, ev_group
         dev_, ev, terms = w.device, pb.events, pb.terms
         self.W_sq = float(w.W_sd.pow(2).sum())
-        self.lam_flip = cfg.lambda_flip  # doubled whenever a candidate flips a dev row to a special token
+        self.terms = self._terms()  # the flip guard's weight doubles whenever a candidate flips a dev row
         self.event_on = torch.ones(ev_group.numel(), device=w.device)  # [E] 0 where an event stopped pulling (pulling)
         self.special = terms.special.to(dev_)
         with torch.no_grad():
@@ -212,7 +214,7 @@ class _Objective:
                                self.teth_ev.keep)  # [E]
         self.teth_near = (_Tether(pb.near, w, pb.near_banned, self.special, cfg.tether_topk)
                           if pb.near is not None and pb.near.P else None)
-        ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+        ends = pb.turn_end_rows()
         tie_rows = [pb.background] + ([batch_rows(pb.anchors, torch.as_tensor(ends, device=dev_))] if ends else [])
         self.ties = (_NearTies(tie_rows, w, self.special, cfg.flip_margin)
                      if self.special.numel() and cfg.lambda_flip > 0 else None)
@@ -241,7 +243,7 @@ class _Objective:
             return None, None, None
         odds_an = pos = odds_pe = None
         if self.lp0_an is not None:
-            ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END]
+            ends = pb.turn_end_rows()
             if ends:
                 e = torch.as_tensor(ends, device=w.device)
                 odds_an = _EndOdds(batch_rows(pb.anchors, e), w, int(pb.im_end), cfg.tether_topk)
@@ -256,7 +258,7 @@ class _Objective:
         if pb.im_end is None or cfg.end_lead_tol <= 0:
             return None
         parts = [batch_rows(pb.background, self.pe_rows)] if self.pe_rows is not None else []
-        ends = [i for i, g in enumerate(pb.anchor_group) if g == names.IM_END] if self.lp0_an is not None else []
+        ends = pb.turn_end_rows() if self.lp0_an is not None else []
         if ends:
             parts.append(batch_rows(pb.anchors, torch.as_tensor(ends, device=w.device)))
         return _EndLeads(batch_cat(parts), w, int(pb.im_end)) if parts else None
@@ -291,31 +293,87 @@ class _Objective:
         ~1e-6 absolute), so the exact KL that judges candidates is `streamed_kl`, never this."""
         return self.negH0_bg[rows] - (self.mu0_bg[rows] * mix.double()).sum(1) + lse.double()
 
+    # the terms' orders as the landed code has them: the forward builds them in EVAL_ORDER (the shared rows first),
+    # the loss adds them in SUM_ORDER, the step's parts list PARTS; float sums and autograd's accumulation follow
+    # these orders, and the record's bytes follow them (tests/test_ftpo_terms.py re-derives each term alone)
+    EVAL_ORDER = ("pref", "kl_step", "special", "cond_kl", "coll", "flip")
+    SUM_ORDER = ("pref", "kl_step", "cond_kl", "flip", "coll", "special", "ridge")
+    PARTS = ("pref", "kl_step", "cond_kl", "coll", "special", "flip")
+
+    def _terms(self) -> dict[str, Term]:
+        """name -> Term: the loss is Σ weighted(cost) over them (module docstring of l47.solvers.ftpo)."""
+        cfg, budget = self.cfg, self.pb.kl_budget
+        return {
+            "pref": Term("pref", None, None, self._pref_cost),  # the target hinge (or the margin term)
+            "kl_step": Term("kl_step", cfg.lambda_kl, budget, self._kl_cost),  # λ doubled by the trainer
+            "special": Term("special", cfg.lambda_special, None, self._special_cost),
+            "cond_kl": Term("cond_kl", None, budget, self._cond_cost),  # λ_shape, λ_cond inside
+            "coll": Term("coll", cfg.lambda_coll, None, self._coll_cost),
+            "flip": Term("flip", cfg.lambda_flip, None, self._flip_cost),  # doubled by the trainer on a flip
+            "ridge": Term("ridge", cfg.lambda_ridge, self.W_sq, self._ridge_cost),
+        }
+
+    @property
+    def lam_flip(self) -> float:
+        return self.terms["flip"].weight
+
+    @lam_flip.setter
+    def lam_flip(self, v: float) -> None:
+        self.terms["flip"].weight = v
+
     def __call__(self, dW: torch.Tensor, rows: torch.Tensor, lam: float) -> tuple[torch.Tensor, dict]:
-        """(loss, its parts as floats) at ΔW [n, f] with the background rows `rows` [m]."""
-        w, pb, cfg, terms = self.w, self.pb, self.cfg, self.pb.terms
-        mix = batch_mix(pb.events, w, dW=dW)  # [E, n]
-        lp = event_logps(mix, w, terms)
-        z_s = logits_at(mix, w, self.teth_ev.ids)  # [E, K]
+        """(loss, its parts as floats) at ΔW [n, f] with the background rows `rows` [m]; λ = `lam`."""
+        self.terms["kl_step"].weight = lam
+        st = Step(self, dW, rows)
+        cost = {k: self.terms[k].cost(st) for k in self.EVAL_ORDER}
+        loss = None
+        for k in self.SUM_ORDER:
+            c = cost[k] if k in cost else self.terms[k].cost(st)
+            x = self.terms[k].weighted(c)
+            loss = x if loss is None else loss + x
+        parts = {"loss": loss, **{k: cost[k] for k in self.PARTS}}
+        return loss, {k: float(v.detach()) for k, v in parts.items()}
+
+    # ---- each term's cost at a step (unweighted)
+
+    def _pref_cost(self, st: Step) -> torch.Tensor:
+        """Target: mean over phrases of the mean over their pulling events of target_hinge (nats); margin: the
+        seed's preference term τ·softplus((Δ(ℓ_r − ℓ_c) + margin·scale)/τ), mean over events and chosen."""
+        cfg, terms, w = self.cfg, self.pb.terms, self.w
         if cfg.objective == "target":
-            o = log_odds(logits_at(mix, w, terms.rejected[:, None])[:, 0], z_s, self.teth_ev.keep)  # [E]
-            pref = per_group_mean(target_hinge(o - self.o0, self.need, cfg.taper) * self.event_on,
+            o = log_odds(logits_at(st.mix, w, terms.rejected[:, None])[:, 0], st.z_s, self.teth_ev.keep)  # [E]
+            return per_group_mean(target_hinge(o - self.o0, self.need, cfg.taper) * self.event_on,
                                   self.ev_group).float()
-        else:
-            gap = (lp["rejected"] - self.base["rejected"])[:, None] - (lp["chosen"] - self.base["chosen"])  # [E, kc]
-            pref = (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
-        mix_bg = batch_mix(batch_rows(pb.background, rows), w, dW=dW)  # [m, n]
-        lse_bg = streamed_lse(mix_bg, w)  # [m] the one vocabulary pass of the background rows
-        kl_bg = self.step_kl(mix_bg, rows, lse_bg).mean().float()
-        special_t = mix.new_zeros(())
-        if self.special.numel():  # no rise of Σ p(special) at events, nor of its log anywhere in the background
-            special_t = (F.relu(lp["special"].exp().sum(1) - self.mass0_special).mean() / pb.special_tol
-                         + F.relu(self._log_special_mass(mix_bg, lse_bg) - self.lm0_special[rows]).mean().float())
-        cond = (cfg.lambda_shape * self.teth_ev.kl(mix, w, z_s).mean().float() if cfg.lambda_shape
-                else mix.new_zeros(()))  # events: the freed mass's shape
-        if self.teth_near is not None:  # near misses: the natural continuation keeps its share
-            cond = cond + cfg.lambda_cond * self.teth_near.kl(batch_mix(pb.near, w, dW=dW), w).mean().float()
-        coll, ng = mix.new_zeros(()), 0  # mean over anchor groups; ng groups so far
+        lp = st.lp
+        gap = (lp["rejected"] - self.base["rejected"])[:, None] - (lp["chosen"] - self.base["chosen"])  # [E, kc]
+        return (cfg.taper * F.softplus((gap + cfg.margin * terms.scale[:, None]) / cfg.taper)).mean()
+
+    def _kl_cost(self, st: Step) -> torch.Tensor:
+        """Mean KL(p⁰ ‖ p) over the step's background rows (step_kl; nats)."""
+        return self.step_kl(st.mix_bg, st.rows, st.lse_bg).mean().float()
+
+    def _special_cost(self, st: Step) -> torch.Tensor:
+        """No rise of Σ p(special) at events (/ special_tol), nor of its log anywhere in the step's background."""
+        if not self.special.numel():
+            return st.mix.new_zeros(())
+        return (F.relu(st.lp["special"].exp().sum(1) - self.mass0_special).mean() / self.pb.special_tol
+                + F.relu(self._log_special_mass(st.mix_bg, st.lse_bg) - self.lm0_special[st.rows]).mean().float())
+
+    def _cond_cost(self, st: Step) -> torch.Tensor:
+        """λ_shape × the conditional tether KL at events (the freed mass's shape) + λ_cond × it at near misses (the
+        natural continuation keeps its share)."""
+        cfg, pb, w = self.cfg, self.pb, self.w
+        cond = (cfg.lambda_shape * self.teth_ev.kl(st.mix, w, st.z_s).mean().float() if cfg.lambda_shape
+                else st.mix.new_zeros(()))
+        if self.teth_near is not None:
+            cond = cond + cfg.lambda_cond * self.teth_near.kl(batch_mix(pb.near, w, dW=st.dW), w).mean().float()
+        return cond
+
+    def _coll_cost(self, st: Step) -> torch.Tensor:
+        """The soft anchors: mean over groups (the collateral words, the turn ends, the plausible turn ends, the
+        runner-ups' leads) of the mean cost within each."""
+        pb, cfg, w, dW = self.pb, self.cfg, self.w, st.dW
+        coll, ng = st.mix.new_zeros(()), 0  # mean over anchor groups; ng groups so far
         if self.lp0_an is not None:
             cost, a = self._anchor_cost(dW)  # a rotating subset of the anchors
             coll, ng = per_group_mean(cost, self.an_group[a]), int(torch.unique(self.an_group[a]).numel())
@@ -328,13 +386,50 @@ class _Objective:
             coll, ng = (coll * ng + pe.mean()) / (ng + 1), ng + 1
         if self.leads is not None:  # no runner-up gains on <|im_end|> on average: one more group
             coll, ng = (coll * ng + self.leads.cost(w, dW, cfg.end_lead_tol)) / (ng + 1), ng + 1
-        flip = self.ties.cost(w, dW) if self.ties is not None and self.ties.n else mix.new_zeros(())
-        loss = (pref + lam * kl_bg / pb.kl_budget + cond / pb.kl_budget + self.lam_flip * flip
-                + cfg.lambda_coll * coll + cfg.lambda_special * special_t
-                + cfg.lambda_ridge * dW.pow(2).sum() / self.W_sq)
-        parts = {"loss": loss, "pref": pref, "kl_step": kl_bg, "cond_kl": cond, "coll": coll,
-                 "special": special_t, "flip": flip}
-        return loss, {k: float(v.detach()) for k, v in parts.items()}
+        return coll
+
+    def _flip_cost(self, st: Step) -> torch.Tensor:
+        """The near-tie guard (_NearTies): Σ (shrink of the gap / its base size)²."""
+        return self.ties.cost(self.w, st.dW) if self.ties is not None and self.ties.n else st.mix.new_zeros(())
+
+    def _ridge_cost(self, st: Step) -> torch.Tensor:
+        """‖ΔW‖² (its norm: ‖W‖²)."""
+        return st.dW.pow(2).sum()
+
+
+@dataclass
+class Term:
+    """One term of FTPO's loss: its name (the step's parts), weight λ (None: enters as it is; the trainer raises
+    the KL's and the flip guard's), norm (a divisor: the KL budget, ‖W‖²; None: none) and cost (unweighted, at a
+    Step). Its share of the loss is weight · cost / norm."""
+
+    name: str
+    weight: float | None
+    norm: float | None
+    cost: Callable[[Step], torch.Tensor]
+
+    def weighted(self, c: torch.Tensor) -> torch.Tensor:
+        x = c if self.weight is None else self.weight * c
+        return x if self.norm is None else x / self.norm
+
+
+class Step:
+    """What one step's terms share: ΔW, the background rows, the events' forward (built first) and the background
+    rows' forward with its one vocabulary pass (built when a term first needs it)."""
+
+    def __init__(self, obj: _Objective, dW: torch.Tensor, rows: torch.Tensor):
+        self.obj, self.dW, self.rows = obj, dW, rows
+        self.mix = batch_mix(obj.pb.events, obj.w, dW=dW)  # [E, n]
+        self.lp = event_logps(self.mix, obj.w, obj.pb.terms)
+        self.z_s = logits_at(self.mix, obj.w, obj.teth_ev.ids)  # [E, K]
+
+    @cached_property
+    def mix_bg(self) -> torch.Tensor:
+        return batch_mix(batch_rows(self.obj.pb.background, self.rows), self.obj.w, dW=self.dW)  # [m, n]
+
+    @cached_property
+    def lse_bg(self) -> torch.Tensor:
+        return streamed_lse(self.mix_bg, self.obj.w)  # [m] the one vocabulary pass of the background rows
 
 
 class _Rotation:

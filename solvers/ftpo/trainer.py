@@ -81,60 +81,105 @@ class _Adam:
 
 
 def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), progress=None) -> FtpoResult:
-    """Minimise L(ΔW) (module docstring) by Adam with a floor; keep the best dev candidate within the
-    KL budget. Steps: parameterise ΔW -> base quantities -> (judge exactly, stop?, λ, optimise) every eval_every
-    steps -> the kept candidate."""
+    """Minimise L(ΔW) (the package docstring) by Adam with a floor; keep the best dev candidate within the
+    KL budget. Steps: parameterise ΔW -> base quantities -> the loop (`_Trainer.run`) -> the kept candidate."""
     if cfg.objective not in OBJECTIVES:
         from l47.errors import L47Error
 
         raise L47Error("solver.ftpo", "objective", f"one of {OBJECTIVES}", repr(cfg.objective))
-    t_start = time.monotonic()
-    torch.manual_seed(cfg.seed)
-    ph_ids = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
-    ev_group = torch.as_tensor([ph_ids[p] for p in pb.phrase], device=w.device)
-    param, dW_of, pnotes = _parameterise(w, pb, cfg, ev_group)
-    obj = _Objective(w, pb, cfg, ev_group)
-    judge = _Judge(w, pb, obj)
-    opt = _Adam(param, cfg, float(w.W_sd.pow(2).mean().sqrt()), pb.background.P)
-    lam, history, stopped, step = cfg.lambda_kl, [], rec.STOP_ITERATION_CAP, 0
-    over, kept, restarts = 0, None, []  # evaluations in a row over the KL budget; the kept candidate's parameter
-    while True:
-        info = judge(step, dW_of(param.detach()), lam)
+    return _Trainer(w, pb, cfg, progress).run()
+
+
+class _Trainer:
+    """The loop as a small state machine, one turn every `eval_every` steps:
+
+        judge     the candidate re-quantised as shipped, measured exactly (_Judge); recorded
+        stop?     converged (every phrase at its target, within the budget) | the step cap | the time budget
+        control   λ doubles while the exact KL is over the budget; the kept candidate's parameter is saved;
+                  after `recover_after` evaluations in a row over it, restart from the kept candidate with fresh
+                  moments and half the step; the near-tie guard doubles on a flip; which events still pull
+        step      `eval_every` optimiser steps on L(ΔW)
+
+    State: the step, λ, the evaluations in a row over the budget, the kept parameter, the history (no wall time:
+    the same inputs write the same bytes) and the restarts' notes."""
+
+    def __init__(self, w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, progress):
+        self.w, self.pb, self.cfg, self.progress = w, pb, cfg, progress
+        self.t_start = time.monotonic()
+        torch.manual_seed(cfg.seed)
+        ph_ids = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
+        ev_group = torch.as_tensor([ph_ids[p] for p in pb.phrase], device=w.device)
+        self.param, self.dW_of, self.pnotes = _parameterise(w, pb, cfg, ev_group)
+        self.obj = _Objective(w, pb, cfg, ev_group)
+        self.judge = _Judge(w, pb, self.obj)
+        self.opt = _Adam(self.param, cfg, float(w.W_sd.pow(2).mean().sqrt()), pb.background.P)
+        self.lam, self.history, self.stopped, self.step = cfg.lambda_kl, [], rec.STOP_ITERATION_CAP, 0
+        self.over, self.kept, self.restarts = 0, None, []  # evaluations in a row over the budget; kept parameter
+
+    def run(self) -> FtpoResult:
+        while True:
+            info, reached = self.evaluate()
+            if self.stop(reached):
+                break
+            self.control(info)
+            self.optimise()
+        res = _result(self.judge, self.history, self.stopped, self.step, self.pb, self.w)
+        return dataclasses.replace(res, info=self.pnotes + self.obj.notes + self.restarts)
+
+    def evaluate(self) -> tuple[dict, bool]:
+        """The candidate judged exactly and recorded: (its figures, whether every phrase is at its target)."""
+        info = self.judge(self.step, self.dW_of(self.param.detach()), self.lam)
         reached = info.pop("reached")
-        history.append(info)  # no wall time in the record: the same inputs write the same bytes
-        if progress is not None:
-            progress({**info, "elapsed_s": round(time.monotonic() - t_start, 2)})
-        if reached and step > 0:
-            stopped = rec.STOP_CONVERGED
-            break
-        if step >= cfg.steps:
-            break
-        if cfg.time_budget_s > 0 and time.monotonic() - t_start > cfg.time_budget_s:
-            stopped = rec.STOP_TIME
-            break
+        self.history.append(info)
+        if self.progress is not None:
+            self.progress({**info, "elapsed_s": round(time.monotonic() - self.t_start, 2)})
+        return info, reached
+
+    def stop(self, reached: bool) -> bool:
+        """Whether the loop ends here (the reason in `stopped`)."""
+        if reached and self.step > 0:
+            self.stopped = rec.STOP_CONVERGED
+            return True
+        if self.step >= self.cfg.steps:
+            return True
+        if self.cfg.time_budget_s > 0 and time.monotonic() - self.t_start > self.cfg.time_budget_s:
+            self.stopped = rec.STOP_TIME
+            return True
+        return False
+
+    def control(self, info: dict) -> None:
+        """λ, the kept parameter, a restart, the near-tie guard and the pulling events, from the judged figures."""
+        cfg, pb, judge, obj = self.cfg, self.pb, self.judge, self.obj
         if info["kl_exact"] > pb.kl_budget:  # the dev rows' KL and flips only judge candidates (never trained on)
-            lam, over = min(lam * 2.0, 1e6), over + 1
+            self.lam, self.over = min(self.lam * 2.0, 1e6), self.over + 1
         else:
-            over = 0
-        if judge.best is not None and judge.best[1] == step:
-            kept = param.detach().clone()
-        if cfg.recover_after > 0 and over >= cfg.recover_after and kept is not None:
-            opt.restart(kept)  # λ alone did not bring the KL back: the step is too long for the valley
-            over = 0
-            history.append({"step": step, "restart_from": judge.best[1], "lr_scale": opt.scale})
-            restarts.append(f"FTPO: exact KL over the budget {cfg.recover_after} evaluations in a row at step "
-                             f"{step}: restarted from the kept candidate (step {judge.best[1]}), step × {opt.scale:g}")
+            self.over = 0
+        if judge.best is not None and judge.best[1] == self.step:
+            self.kept = self.param.detach().clone()
+        if cfg.recover_after > 0 and self.over >= cfg.recover_after and self.kept is not None:
+            self.restart()
         if info["dev_flips"] or sum(info["turn_ends_lost"].values()):  # the near-tie guard stiffens
             obj.lam_flip = min(obj.lam_flip * 2.0, 1e6)
         judged = at_target_residuals(info["train_residual"], info["dev_residual"])
         obj.event_on = torch.as_tensor(pulling(judge.ratio_ev, pb.phrase, judged, pb.target_residual),
-                                       dtype=torch.float32, device=w.device)  # the budget goes to what is short
-        n = min(cfg.eval_every, cfg.steps - step)
-        loss_of = lambda rows, lam=lam: obj(dW_of(param), rows, lam)  # noqa: E731
-        parts = opt.run(n, loss_of)
-        step += n
-        history.append({"step": step, **parts[-1]})
-    return dataclasses.replace(_result(judge, history, stopped, step, pb, w), info=pnotes + obj.notes + restarts)
+                                       dtype=torch.float32, device=self.w.device)  # the budget goes to what is short
+
+    def restart(self) -> None:
+        """λ alone did not bring the KL back: the step is too long for the valley; back to the kept candidate with
+        fresh moments and half the step (λ as it stands)."""
+        self.opt.restart(self.kept)
+        self.over, best = 0, self.judge.best[1]
+        self.history.append({"step": self.step, "restart_from": best, "lr_scale": self.opt.scale})
+        self.restarts.append(f"FTPO: exact KL over the budget {self.cfg.recover_after} evaluations in a row at step "
+                             f"{self.step}: restarted from the kept candidate (step {best}), step × {self.opt.scale:g}")
+
+    def optimise(self) -> None:
+        """`eval_every` optimiser steps (fewer at the cap) at the current λ; the last step's parts recorded."""
+        n = min(self.cfg.eval_every, self.cfg.steps - self.step)
+        obj, param, dW_of, lam = self.obj, self.param, self.dW_of, self.lam
+        parts = self.opt.run(n, lambda rows: obj(dW_of(param), rows, lam))
+        self.step += n
+        self.history.append({"step": self.step, **parts[-1]})
 
 
 def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: FtpoProblem, w: TailWeights):
