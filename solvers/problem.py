@@ -116,8 +116,11 @@ class Problem:
 
 
 def _cat(a: Batch | None, b: Batch | None) -> Batch | None:
+    """a's rows then b's, with their provenance (None when neither)."""
     parts = [x for x in (a, b) if x is not None]
-    return None if not parts else parts[0] if len(parts) == 1 else batch_cat(parts)
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    return dataclasses.replace(batch_cat(parts), doc=a.doc + b.doc, pos=a.pos + b.pos)
 
 
 class Solver(Protocol):

@@ -1,11 +1,11 @@
 """`l47 solve`: experiment -> sets -> WFLD or FTPO -> re-quantised Q8_0 bundle + solve record.
 
     run_solve = plan_solve        load the experiment, base model, weights, config and sets report; refuse bad input
-              → select_positions  what the solve touches (l47.solvers.select: events, anchors, turn ends, background)
-              → fit_anchors       protected contexts within the anchors budget, chosen for span (solvers/anchors.py)
-              → build_problem     the layer-L batches and per-event token terms
+              → pose              solvers/problem.py: what the solve touches (select_positions, by the solver's
+                                  policy), the anchors within budget (fit_anchors), the layer-L batches and
+                                  per-event token terms, the KL budget resolved once -> a frozen Problem
               → check_feasible    the feasibility plan (solvers/plan.py), stored in the record
-              → solve_problem     WFLD or FTPO -> float ΔW
+              → solve_problem     the method's Solver (solvers/methods.py: WFLD or FTPO) -> float ΔW
               → requantize        ΔW -> Q8_0 bytes of the target and their runtime values (what ships)
               → measure           every claimed figure on the re-quantised weights (l47.data.record.SolveClaims)
               → write_outputs     bundle (or overlay), solve record, ledger
