@@ -5,7 +5,8 @@
          → the batches        layer-L rows: train events and their token terms, collateral anchors, turn ends,
                               background; dev events, dev rows and near misses where the solver judges on dev
          → the KL budget      resolved ONCE (`KlBudget`): [solver] kl_budget, or KL_BUDGET_SAFETY × the tightest
-                              KLD bar; the solve writes the resolved value into its config (bundle and record)
+                              KLD bar; the problem's config holds the resolved value (the bundle's provenance and
+                              the solve record write it)
 
 A solver with soft anchors (FTPO) acts on every collateral anchor; the feasibility plan is made on the ones kept
 within the anchors budget (`Problem.kept`), what exact anchors (WFLD) would be bound by.
@@ -205,6 +206,7 @@ def pose(plan: SolvePlan, solver: Solver, log: Callable[[str], None]) -> Problem
         near = rows((s, r) for s, r, _ in kept.near)
         near_banned = torch.as_tensor([b for _, _, b in kept.near], device=w.device)
     budget = KlBudget(resolve_kl_budget(plan.cfg.kl_budget, plan.exp.thresholds))
+    plan = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, kl_budget=budget.nats))  # written resolved
     prob = Problem(plan, solver, sel, kept, choice, ev, terms, an, kept_an, rows(kept.turn_ends), dumps.batch(kept.background),
                    budget, dev, near, near_banned, dev_rows)
     log(describe(prob))

@@ -173,19 +173,19 @@ def run_sweep(args, log: Callable[[str], None], progress: Callable[[dict], None]
     if not prob.kept.dev:
         raise L47Error(plan.exp.path, "documents.dev", "dev documents with events (the sweep judges on dev)",
                        "no dev event")
-    budget = prob.kl_budget.nats
-    ovs = grid(plan.cfg, budget)
+    budget, cfg = prob.kl_budget.nats, prob.plan.cfg  # its kl_budget resolved
+    ovs = grid(cfg, budget)
     cands, runs = [], []
     for i, ov in enumerate(ovs):
         name = f"c{i + 1}"
-        pc = prob.with_config(apply_overrides(plan.cfg, ov))
+        pc = prob.with_config(apply_overrides(cfg, ov))
         feas = check_feasible(pc)
         if i == 0:
             for line in describe_feasibility(feas):
                 log(line)
         log(f"sweep {name} ({i + 1}/{len(ovs)}): {ov}")
         m = solve_and_measure(pc, feas.to_dict(), log, _step_progress(progress, name, i, len(ovs)))
-        cands.append(_candidate(name, ov, m, plan.cfg.target_residual))
+        cands.append(_candidate(name, ov, m, cfg.target_residual))
         runs.append((pc, m))
         c = cands[-1]
         log(f"sweep {name}: exact background KL {c.background_kl_exact:.4g}, dev removal score "
