@@ -821,7 +821,7 @@ def _blind_inputs(paths, shas) -> list[dict]:
 def count_figures(sets_rep) -> dict:
     """The minimum-count bars' figures: held-out events per phrase (every phrase with a multi-token variant,
     zero included), collateral_eval occurrences per collateral word (zero included) and in all."""
-    ho = {p["phrase"]: 0 for p in sets_rep.phrases if p["tuples"]}
+    ho = {p.phrase: 0 for p in sets_rep.phrases if p.tuples}
     for e in sets_rep.events:
         if e.set == "heldout":
             ho[e.phrase] = ho.get(e.phrase, 0) + 1

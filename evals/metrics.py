@@ -41,14 +41,6 @@ def load_vocab(exp, base, V: int):
     return v
 
 
-def phrase_tuples_of(sets_report):
-    """PhraseTuples (l47.dumps.select) from a SetsReport's phrases."""
-    from l47.dumps.select import PhraseTuples
-
-    return [PhraseTuples(p["phrase"], tuple(tuple(int(i) for i in t) for t in p["tuples"]),
-                         tuple(p["variants"]), float(p.get("margin_scale", 1.0))) for p in sets_report.phrases]
-
-
 def context_text(vocab, tokens: np.ndarray, t: int, n: int = CONTEXT_TOKENS) -> str:
     """The text of the input tokens[t-n+1 .. t] (what the model saw before predicting row t's target)."""
     return vocab.decode(np.asarray(tokens[max(0, t - n + 1):t + 1]).tolist())

@@ -426,7 +426,7 @@ def _penalty_plan(args: PenaltyArgs):
     from l47.data.experiment import load_experiment
     from l47.data.ledger import Ledger
     from l47.data.sets import build_sets
-    from l47.evals.metrics import load_vocab, phrase_tuples_of
+    from l47.evals.metrics import load_vocab
     from l47.model.weights import edited_weight, load_tail_weights
 
     exp = load_experiment(args.experiment)
@@ -441,7 +441,7 @@ def _penalty_plan(args: PenaltyArgs):
     # the experiment's own selection (split included); blind documents are never touched here
     rep = build_sets(replace(exp, sets={k: v for k, v in exp.sets.items() if k != "blind"}), w, vocab=vocab,
                      device=args.device, ledger=ledger, command="penalty")
-    spec = make_spec(phrase_tuples_of(rep), args.bias, args.form, w.model_sha256, vocab.name)
+    spec = make_spec(list(rep.phrases), args.bias, args.form, w.model_sha256, vocab.name)
     if not spec.rules:
         raise L47Error(args.experiment, "phrases", "at least one multi-token banned tuple", "none")
     W_new, bsha = edited_weight(w, args.bundle, args.device) if args.bundle is not None else (None, None)

@@ -34,7 +34,7 @@ from l47.data.experiment import SOLVER_SETS
 from l47.errors import L47Error
 from l47.model import names
 
-__all__ = ["SOLVER_SETS", "Selection", "ContentOrder", "select_positions"]
+__all__ = ["SOLVER_SETS", "Selection", "SelectionPolicy", "ContentOrder", "select_positions"]
 
 
 @dataclass(frozen=True)
@@ -86,19 +86,15 @@ def background_positions(bg_docs: list, max_background: int) -> tuple[list[tuple
     return [(d.sha256, t) for d in bg_docs for t in range(0, d.T, stride)], stride, total
 
 
-def background_cap(cfg) -> int:
-    """Positions of the background (and dev rows) at most: FTPO's `kl_rows` (every row of the documents, so the
-    step's rotating subsets and the judge's exact KL cover the rows the held-out chats resemble), WFLD's
-    `max_background` (its Fisher's sample)."""
-    return int(cfg.ftpo.kl_rows) if cfg.method == "ftpo" else int(cfg.max_background)
+@dataclass(frozen=True)
+class SelectionPolicy:
+    """What a solver's selection takes (its Solver's `policy`, solvers/methods.py): no method name is read here."""
 
-
-def phrase_tuples(report) -> list:
-    """PhraseTuples (l47.dumps.select) of a SetsReport's phrases."""
-    from l47.dumps.select import PhraseTuples
-
-    return [PhraseTuples(p["phrase"], tuple(tuple(int(i) for i in t) for t in p["tuples"]),
-                         tuple(p["variants"]), float(p.get("margin_scale", 1.0))) for p in report.phrases]
+    background_cap: int  # background (and dev) rows at most: FTPO's `kl_rows` (every row of the documents, so the
+    # step's rotating subsets and the judge's exact KL cover the rows the held-out chats resemble), WFLD's
+    # `max_background` (its Fisher's sample)
+    background_with_train: bool  # the train documents' own rows are background too (FTPO)
+    judges_dev: bool  # the dev documents are judged inside the solve: their turn ends are left unprotected (FTPO)
 
 
 def near_miss_rows(docs: list, pts: list, tokens_of) -> list[tuple[str, int, int]]:
@@ -132,8 +128,8 @@ def turn_end_rows(docs: list, im_end: int, tokens_of) -> list[tuple[str, int]]:
     return out
 
 
-def select_positions(report, cfg, where: str | Path, tokens_of) -> Selection:
-    """Apply the selection policy of `cfg` (a SolveConfig) to a SetsReport. L47Error when there is nothing to
+def select_positions(report, cfg, policy: SelectionPolicy, where: str | Path, tokens_of) -> Selection:
+    """Apply `policy` and the selection settings of `cfg` (a SolveConfig) to a SetsReport. L47Error when there is nothing to
     train on or no background; tokens_of(sha) gives a document's token ids (for the turn ends)."""
     order = ContentOrder(report)
 
@@ -156,16 +152,16 @@ def select_positions(report, cfg, where: str | Path, tokens_of) -> Selection:
     # directions are used there away from the events, and the background documents, written without the
     # phrases, do not show it; measured on the demo: held-out chat KLD 16× the background KL without them)
     kl_docs = bg_docs + (by_order([d for d in accepted if d.set == "train"], lambda d: d.sha256, lambda d: 0)
-                         if cfg.method == "ftpo" else [])
-    cap = background_cap(cfg)
+                         if policy.background_with_train else [])
+    cap = policy.background_cap
     bg, stride, total = background_positions(kl_docs, cap)
-    pts = phrase_tuples(report)
+    pts = list(report.phrases)
     bg = without_prefix_rows(bg, kl_docs, pts, tokens_of)
     im_end = report.special_ids.get(names.IM_END)
     turn_ends = []
     if cfg.protect_turn_ends and im_end is not None:
         # FTPO: the dev documents' turn ends are judged (their argmax, per candidate), never trained on
-        own_sets = ("train",) if cfg.method == "ftpo" else ("train", "dev")
+        own_sets = ("train",) if policy.judges_dev else ("train", "dev")
         own = by_order([d for d in accepted if d.set in own_sets], lambda d: d.sha256, lambda d: 0)
         turn_ends = turn_end_rows(bg_docs + own, int(im_end), tokens_of)
     special = sorted(set(int(v) for v in report.special_ids.values()))

@@ -1,15 +1,15 @@
 """`l47 solve --sweep`: a small grid of candidates, each solved, re-quantised as shipped and judged on DEV only.
 
-    run_sweep = _prepare            the plain solve's steps up to the problem (solvers/solve.py), once
+    run_sweep = pose                the plain solve's steps up to the problem (solvers/problem.py), once
               → grid                the candidates: a few solver settings relative to the configured target and
-                                    KL budget (never tuned to a model; below)
+                                    KL budget (never tuned to a model; the solver's `grid`, solvers/methods.py)
               → per candidate       check_feasible → solve_and_measure (the plain solve's one path: solve,
                                     Q8_0 re-quantise, exact measure) → its dev figures
               → choose              the most removal inside the KL budget, on the measured frontier
               → write_outputs       the chosen candidate's bundle and record (+ every candidate), the table
 
-The grid (docs/SOLVERS.md "Sweep"), with t the configured target residual and B the solve's KL budget
-(`kl_budget`, default KL_BUDGET_SAFETY × the tightest KLD bar):
+The grid (docs/SOLVERS.md "Sweep"; each solver's `grid` in solvers/methods.py), with t the configured target
+residual and B the problem's KL budget (`Problem.kl_budget`, resolved once):
     FTPO  (target_residual, kl_budget) = (t, B/2), (t, B), (t/2, B), (t/2, 3B/2)
     WFLD  margin = ln(1/t') nats for t' = 2t, t, t/2 (t' capped at 0.9): the log-odds drop that takes an event
           to t' of its base odds
@@ -20,17 +20,15 @@ Held-out is never read here: it is scored only by `l47 audit`. The chosen candid
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from pathlib import Path
 
 from l47.data import record as rec
 from l47.errors import L47Error
 from l47.fileio import write_text_atomic
+from l47.solvers.methods import FTPO_GRID, WFLD_GRID, WFLD_MAX_TARGET, solver_for  # noqa: F401 (the grids: re-exported)
+from l47.solvers.problem import pose
 
-FTPO_GRID = ((1.0, 0.5), (1.0, 1.0), (0.5, 1.0), (0.5, 1.5))  # (× target residual, × KL budget)
-WFLD_GRID = (2.0, 1.0, 0.5)  # × target residual -> margin ln(1 / t')
-WFLD_MAX_TARGET = 0.9
 RULE = ("among the candidates whose exact background KL is within the budget: the most dev removal (mean over "
         "phrases of log max(dev residual, target residual), FTPO's kept-step score), then the lowest worst-phrase "
         "dev residual, then the lowest KL (a lexicographic minimum, so no candidate tried is at least as good on "
@@ -47,10 +45,7 @@ def sweep_paths_for(bundle: Path) -> tuple[Path, Path]:
 
 def grid(cfg, budget: float) -> list[dict]:
     """The candidates' overrides of the resolved SolveConfig `cfg` (module docstring); `budget` is B."""
-    t = cfg.target_residual
-    if cfg.method == "ftpo":
-        return [{"target_residual": t * a, "kl_budget": budget * b} for a, b in FTPO_GRID]
-    return [{"wfld": {"margin": math.log(1.0 / min(WFLD_MAX_TARGET, t * a))}} for a in WFLD_GRID]
+    return solver_for(cfg.method).grid(cfg, budget)
 
 
 def apply_overrides(cfg, ov: dict):
@@ -171,28 +166,27 @@ def _step_progress(progress, name: str, i: int, n: int):
 def run_sweep(args, log: Callable[[str], None], progress: Callable[[dict], None] | None):
     """Every candidate of the grid solved and judged on dev; the chosen one's bundle and record written (with
     every candidate in `record.sweep`) and the table beside the bundle. Returns the SolveResult."""
-    from l47.solvers.solve import (Posed, _prepare, check_feasible, describe_feasibility, kl_budget,
-                                   soft_anchors, solve_and_measure, write_outputs)
+    from l47.solvers.solve import check_feasible, describe_feasibility, plan_solve, solve_and_measure, write_outputs
 
-    plan, every, sel, choice, prob = _prepare(args, log)
-    if not sel.dev:
+    plan = plan_solve(args)
+    prob = pose(plan, solver_for(plan.cfg.method), log)
+    if not prob.kept.dev:
         raise L47Error(plan.exp.path, "documents.dev", "dev documents with events (the sweep judges on dev)",
                        "no dev event")
-    budget = kl_budget(plan)
-    ovs = grid(plan.cfg, budget)
+    budget, cfg = prob.kl_budget.nats, prob.plan.cfg  # its kl_budget resolved
+    ovs = grid(cfg, budget)
     cands, runs = [], []
     for i, ov in enumerate(ovs):
         name = f"c{i + 1}"
-        pc = dataclasses.replace(plan, cfg=apply_overrides(plan.cfg, ov))
-        feas = check_feasible(pc, sel, prob)
+        pc = prob.with_config(apply_overrides(cfg, ov))
+        feas = check_feasible(pc)
         if i == 0:
             for line in describe_feasibility(feas):
                 log(line)
-        s2, p2 = soft_anchors(pc, every, sel, prob, log if i == 0 else (lambda _m: None))
         log(f"sweep {name} ({i + 1}/{len(ovs)}): {ov}")
-        m = solve_and_measure(pc, Posed(s2, p2, feas.to_dict(), choice), log, _step_progress(progress, name, i, len(ovs)))
-        cands.append(_candidate(name, ov, m, plan.cfg.target_residual))
-        runs.append((pc, s2, p2, m))
+        m = solve_and_measure(pc, feas.to_dict(), log, _step_progress(progress, name, i, len(ovs)))
+        cands.append(_candidate(name, ov, m, cfg.target_residual))
+        runs.append((pc, m))
         c = cands[-1]
         log(f"sweep {name}: exact background KL {c.background_kl_exact:.4g}, dev removal score "
             f"{c.dev_removal:.4g}, dev residual pooled {c.dev_residual:.4g}, worst phrase {c.dev_residual_worst:.4g}")
@@ -200,7 +194,7 @@ def run_sweep(args, log: Callable[[str], None], progress: Callable[[dict], None]
     k = next(i for i, c in enumerate(marked) if c.chosen)
     log(f"sweep: chose {why}" if any(c.within_budget for c in marked) else f"warning: sweep: {why}")
     sw = rec.SweepRecord(budget=budget, rule=RULE, chosen=marked[k].name, reason=why, candidates=marked)
-    pc, s2, p2, m = runs[k]
-    res = write_outputs(pc, s2, p2, m.shipped, m.claims, sweep=sw)
+    pc, m = runs[k]
+    res = write_outputs(pc, m.shipped, m.claims, sweep=sw)
     write_text_atomic(sweep_paths_for(plan.out)[1], table_text(sw))
     return res

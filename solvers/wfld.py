@@ -72,7 +72,6 @@ Precision: forward and gradients in f32; every solve step in f64.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -82,6 +81,8 @@ import torch
 from l47.data import record as rec
 from l47.errors import L47Error
 from l47.model.weights import TailWeights
+from l47.solvers.knobs import knob
+from l47.solvers.problem import KlBudget
 from l47.tail.forward import logits_at, streamed_kl
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.fisher import fisher_factors, mu_lse
@@ -96,34 +97,25 @@ TR_SHRINK, TR_GROW = 0.25, 2.0
 
 @dataclass(frozen=True)
 class WfldConfig:
-    margin: float = 2.0  # nats, times the phrase's scale
-    p_cap: float = 0.0  # > 0: absolute FTPO margin too: ℓ_r − ℓ_c ≤ log(p_cap / (1 − p_cap)) after the edit
-    max_step: float = 1.5  # nats: per Gauss–Newton step, a constraint's target moves at most this far (continuation)
-    delta_cho: float = 0.05  # nats; > 0 so freed mass goes to natural alternatives (0 = the seed's v3.1 setting)
-    n_chosen: int = 1
-    ridge: float = 1e-2  # ρ relative to mean(γ)·mean(α)
-    bg_weight: float = 1.0  # β
-    fisher_topk: int = 32
-    fisher_tail_samples: int = 32  # per position: sampled Fisher of the mass outside the top-K (solvers/fisher.py)
-    refresh_fisher: bool = False  # re-measure the K-FAC curvature at every Gauss–Newton point (cost: K + S VJPs
-    # over the background per step; off: measured once at the base, its scale re-fitted to the exact KL per step)
-    kl_retries: int = 3  # re-solve a step (curvature re-calibrated) while exact/predicted KL is outside [½, 2]
-    kl_floor: float = 1e-6  # nats: below this both figures are noise, no calibration
-    gn_iters: int = 20
-    gn_tol: float = 1e-3  # nats: |exact − linear prediction| of every constraint
-    anchor_tol: float = 1e-6  # relative singular-value cut for the anchors' span
-    max_removed: float = 0.95  # an event whose key loses more than this to the protected span is infeasible
-    special_constraints: bool = True
-    special_margin: float = 0.1  # nats: Δℓ_s ≤ −special_margin (> 0 leaves slack so held-out positions do not rise)
-
-
-@dataclass(frozen=True)
-class KlBudget:
-    """The background-KL budget of a WFLD solve: no accepted iterate's mean exact background KL exceeds `nats`,
-    judged on the float ΔW and, with `shipped` (ΔW [n, f] f32 → the target's runtime weights as shipped,
-    re-quantised, [n, f] f32 on the weights' device), on the shipped weights too."""
-    nats: float
-    shipped: Callable[[torch.Tensor], torch.Tensor] | None = None
+    margin: float = knob(2.0, "nats, times the phrase's margin_scale: ℓ_rejected − ℓ_chosen drops by this")
+    p_cap: float = knob(0.0, '> 0: also an absolute margin, p(rejected) ≤ p_cap after the edit', 0.0, 0.999)
+    max_step: float = knob(1.5, "nats a constraint's target moves per Gauss–Newton step at most")
+    delta_cho: float = knob(0.05, 'nats; > 0 so freed mass goes to natural alternatives')
+    n_chosen: int = knob(1, 'alternatives per event', 1)
+    ridge: float = knob(1e-2, 'ρ, relative to mean(γ)·mean(α)')
+    bg_weight: float = knob(1.0, 'β, weight of the background KL')
+    fisher_topk: int = knob(32, 'top-K Fisher factors of the head')
+    fisher_tail_samples: int = knob(32, 'sampled tokens per position for the Fisher outside the top-K')
+    refresh_fisher: bool = knob(False, 're-measure the Fisher at every Gauss–Newton point (slower)')
+    kl_retries: int = knob(3, 're-solves of a step whose exact KL is outside ½–2× the prediction')
+    kl_floor: float = knob(1e-6, 'nats: below this predicted and exact KL are not compared')
+    gn_iters: int = knob(20, 'Gauss–Newton steps at most')
+    gn_tol: float = knob(1e-3, 'nats: |exact − linear prediction| of every constraint')
+    anchor_tol: float = knob(1e-6, "relative singular-value cut of the anchors' span")
+    max_removed: float = knob(
+        0.95, 'an event whose key loses more than this to the protected span is infeasible', 0.0, 1.0)
+    special_constraints: bool = knob(True, 'keep Σ p(special) from rising at slop positions')
+    special_margin: float = knob(0.1, 'nats: Δℓ_special ≤ −special_margin')
 
 
 def within_budget(kl: float, kl_shipped: float | None, budget: KlBudget | None) -> bool:

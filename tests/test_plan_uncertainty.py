@@ -101,15 +101,17 @@ def test_plan_with_soft_anchors_is_the_bound_without_their_span(planned, world):
     still reports the anchors' rank. WFLD's plan (exact anchors) of the same selection differs where they bind."""
     import dataclasses
 
-    from l47.solvers.solve import SolveArgs, _prepare, check_feasible
+    from l47.solvers.methods import solver_for
+    from l47.solvers.problem import pose
+    from l47.solvers.solve import SolveArgs, check_feasible, plan_solve
 
-    plan, _, sel, _, prob = _prepare(SolveArgs(experiment=planned["exp"], method="ftpo",
-                                               out=Path("/nonexistent/plan-only.gguf"), model=world["base"]),
-                                     lambda _m: None)
-    soft = check_feasible(plan, sel, prob)
-    wfld = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, method="wfld"))
-    bare = check_feasible(wfld, sel, dataclasses.replace(prob, anchors=None))
-    exact = check_feasible(wfld, sel, prob)
+    plan = plan_solve(SolveArgs(experiment=planned["exp"], method="ftpo", out=Path("/nonexistent/plan-only.gguf"),
+                                model=world["base"]))
+    prob = pose(plan, solver_for("ftpo"), lambda _m: None)
+    soft = check_feasible(prob)
+    wfld = dataclasses.replace(prob.with_config(dataclasses.replace(plan.cfg, method="wfld")), solver=solver_for("wfld"))
+    bare = check_feasible(dataclasses.replace(wfld, anchors=None, kept_anchors=None, turn_ends=None))
+    exact = check_feasible(wfld)
     assert soft.anchors_soft and not exact.anchors_soft and soft.anchor_rank == exact.anchor_rank > 0
     assert soft.null_dim == exact.null_dim == soft.f - soft.anchor_rank
     for s, b in zip(soft.phrases, bare.phrases):

@@ -391,8 +391,12 @@ def test_ftpo_background_is_every_row_and_the_judge_kl_covers_them(setup):
     from types import SimpleNamespace
 
     from l47.solvers.ftpo import FtpoProblem, _Judge, _Objective
-    from l47.solvers.select import background_cap, background_positions
+    from l47.solvers.methods import solver_for
+    from l47.solvers.select import background_positions
     from l47.solvers.solve import resolve_config
+
+    def background_cap(cfg):
+        return solver_for(cfg.method).policy(cfg).background_cap
 
     docs = [SimpleNamespace(sha256=f"d{i}", T=t) for i, t in enumerate((2500, 1700, 3301))]  # 7,501 rows
     ftpo, wfld = resolve_config({}, None, "x"), resolve_config({}, "wfld", "x")
@@ -436,7 +440,7 @@ def test_ftpo_judge_turn_ends_lost_against_full_softmax(setup):
     want = int(((a0 == im) & (a1 != im)).sum())
     assert want > 0 and int((a0 == im).sum()) > want
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=bg, target_residual=0.5, kl_budget=10.0,
-                     dev_rows=rows, anchors=rows, anchor_group=[names.IM_END] * rows.P,
+                     dev_rows=rows, anchors=rows, anchor_group=[names.IM_END] * rows.P, turn_ends=rows.P,
                      anchor_tol=[0.05] * rows.P, im_end=im)
     judge = _Judge(w, pb, _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long)))
     info = judge(10, dW, 1.0)
@@ -622,7 +626,8 @@ def test_ftpo_turn_end_log_odds_cost_against_full_softmax(setup):
     cfg = FtpoConfig(anchor_batch=0, gap_margin=0.0, lambda_flip=0.0, plausible_end_p=0.0, tether_topk=K,
                      end_odds_tol=tol_o)
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=setup["bg"], target_residual=0.5,
-                     kl_budget=0.1, anchors=an, anchor_group=[names.IM_END] * an.P, anchor_tol=[tol] * an.P, im_end=im)
+                     kl_budget=0.1, anchors=an, anchor_group=[names.IM_END] * an.P, anchor_tol=[tol] * an.P, im_end=im,
+                     turn_ends=an.P)
     obj = _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long))
     rows = torch.arange(pb.background.P)
     assert obj(torch.zeros(w.n, w.f), rows, 1.0)[1]["coll"] == pytest.approx(0.0, abs=1e-9)
@@ -663,7 +668,8 @@ def test_ftpo_turn_end_runner_up_drift_against_full_logits(setup):
     tol, tol_d = 0.02, 0.03
     cfg = FtpoConfig(anchor_batch=0, gap_margin=0.0, lambda_flip=0.0, plausible_end_p=0.0, end_lead_tol=tol_d)
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=setup["bg"], target_residual=0.5,
-                     kl_budget=0.1, anchors=an, anchor_group=[names.IM_END] * an.P, anchor_tol=[tol] * an.P, im_end=im)
+                     kl_budget=0.1, anchors=an, anchor_group=[names.IM_END] * an.P, anchor_tol=[tol] * an.P, im_end=im,
+                     turn_ends=an.P)
     obj = _Objective(w, pb, cfg, torch.zeros(ev.P, dtype=torch.long))
     rows = torch.arange(pb.background.P)
     assert obj(torch.zeros(w.n, w.f), rows, 1.0)[1]["coll"] == pytest.approx(0.0, abs=1e-9)

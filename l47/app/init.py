@@ -2,7 +2,8 @@
 key, its default and its meaning, the folders a user fills in, and the commands to run next.
 
 One schema (`SCHEMA`) describes every key the experiment file and `l47 solve` accept: the defaults are read from
-the parsers' own dataclasses (Thresholds, SolveConfig, WfldConfig, FtpoConfig), the meanings are written here.
+the parsers' own dataclasses (Thresholds, SolveConfig, WfldConfig, FtpoConfig); the solver settings' meanings from
+their fields' metadata (solvers/knobs.py), the others' are written here.
 tests/test_init.py checks that the schema covers exactly the keys the parsers accept, that the file written
 here parses, and that docs/EXPERIMENT.md's tables and TOML examples agree with it.
 
@@ -76,80 +77,8 @@ THRESHOLD_MEANINGS = {
     "sampler_tol": "nats of slack in that check",
 }
 
-SOLVER_MEANINGS = {
-    "method": "ftpo (solve to target_residual within kl_budget; the default when none is named) | wfld (closed form); --method overrides",
-    "seed": "the solve's seed",
-    "max_background": "WFLD: background positions of its Fisher (evenly spread); FTPO uses every row (solver.ftpo.kl_rows)",
-    "max_anchors_per_word": "> 0: protect at most this many collateral contexts per word; each exact anchor uses "
-                            "one direction of the shared-expert width f, so keep anchors + events well below f",
-    "protect_turn_ends": "real turn ends (<|im_end|> targets) of the solver's chats are exact anchors too",
-    "n_chosen": "natural alternatives per event the freed mass goes to",
-    "anchors_budget": "share of f exact anchors may use; beyond it they are thinned by span (turn ends kept)",
-    "target_residual": "aimed p(rejected) after / before per phrase, in (0, 1) (l47 plan checks it)",
-    "kl_budget": "nats of mean background KL (> 0); 0 = half the tightest KLD bar",
-    "wfld": "table [solver.wfld] (below)",
-    "ftpo": "table [solver.ftpo] (below)",
-}
-
-WFLD_MEANINGS = {
-    "margin": "nats, times the phrase's margin_scale: ℓ_rejected − ℓ_chosen drops by this",
-    "p_cap": "> 0: also an absolute margin, p(rejected) ≤ p_cap after the edit",
-    "max_step": "nats a constraint's target moves per Gauss–Newton step at most",
-    "step_sizes": "backtracking fractions of each Gauss–Newton step",
-    "delta_cho": "nats; > 0 so freed mass goes to natural alternatives",
-    "n_chosen": "alternatives per event",
-    "ridge": "ρ, relative to mean(γ)·mean(α)",
-    "bg_weight": "β, weight of the background KL",
-    "fisher_topk": "top-K Fisher factors of the head",
-    "fisher_tail_samples": "sampled tokens per position for the Fisher outside the top-K",
-    "refresh_fisher": "re-measure the Fisher at every Gauss–Newton point (slower)",
-    "kl_retries": "re-solves of a step whose exact KL is outside ½–2× the prediction",
-    "kl_floor": "nats: below this predicted and exact KL are not compared",
-    "gn_iters": "Gauss–Newton steps at most",
-    "gn_tol": "nats: |exact − linear prediction| of every constraint",
-    "anchor_tol": "relative singular-value cut of the anchors' span",
-    "max_removed": "an event whose key loses more than this to the protected span is infeasible",
-    "special_constraints": "keep Σ p(special) from rising at slop positions",
-    "special_margin": "nats: Δℓ_special ≤ −special_margin",
-}
-
-FTPO_MEANINGS = {
-    "objective": "target (log-odds hinge to aim·target_residual·p0 per event) | margin (the seed's preference term)",
-    "aim": "train events aim at aim × target_residual × their base p (held-out follows train only in part)",
-    "margin": "nats of the preference margin (margin objective)",
-    "taper": "τ (nats) of the hinge's softplus taper",
-    "lr": "Adam step, relative to the RMS of W's entries",
-    "warmup": "steps of linear step-size warm-up",
-    "floor": "Adam's ε as this × the matrix RMS of √v (0: plain Adam)",
-    "key_ridge": "ridge of the key basis relative to the background energy per direction (larger: fewer directions the background never shows)",
-    "key_rank": "per phrase, key directions ΔW may act on (generalized eigenvectors vs the background); 0: all of f",
-    "steps": "step cap (the candidate within the KL budget with the most removal, each phrase judged by the larger of its dev and train residuals, is kept)",
-    "lambda_kl": "initial weight of background KL / kl_budget (doubled while the exact KL is over the budget)",
-    "lambda_cond": "weight of the conditional tether KL / kl_budget at near misses (the natural continuation keeps its share)",
-    "lambda_shape": "weight of the conditional tether KL / kl_budget at events (the freed mass spreads as the base spreads it; 0: off, see docs/SOLVERS.md)",
-    "lambda_coll": "weight of the soft anchors ((Δlog p / bar tolerance)², mean per word and turn ends)",
-    "lambda_special": "weight of the special-token mass hinge (rise / bar (f)'s special_rise_tol)",
-    "lambda_flip": "weight of the near-tie guard: (shrink of the special-vs-argmax gap / its base size)², summed (bar (f)'s flips)",
-    "flip_margin": "nats: background rows and turn ends whose top two (one special, one not) are this close are guarded",
-    "gap_margin": "nats: rows whose top two (one special, one word) are this close define the gap directions ΔW is kept off (0: off)",
-    "gap_rows": "at most this many of those rows (the smallest gaps first)",
-    "turn_end_energy": "> 0: share of the solver's turn ends' ∂ log p(<|im_end|>)/∂ys energy whose directions ΔW's output is kept off (at most n // 8 directions; 0: off, the default)",
-    "lambda_ridge": "ridge on ‖ΔW‖² / ‖W‖²",
-    "tether_topk": "top-K base tokens of the conditional tether and the log-odds",
-    "background_batch": "background positions per step (rotating; the exact KL uses all)",
-    "kl_rows": "background and dev positions at most: every row of their documents up to this cap (a strided sample is what the edit fits)",
-    "anchor_batch": "soft anchors per step (rotating; 0: all of them)",
-    "plausible_end_p": "background rows whose base p(<|im_end|>) is at least this (the turn may end there; target another token) hold log p(<|im_end|>) as one more soft-anchor group, tol = bar (f)'s 0.005 nats (0: off; docs/SOLVERS.md \"Plausible turn ends\")",
-    "plausible_end_rows": "... at most this many, the most likely first",
-    "end_odds_tol": "nats of Δ log-odds of <|im_end|> against its base top-K rivals that cost λ_coll at the real and plausible turn ends, beside their Δlog p (holds its lead where p ≈ 1; 0: off, the default: measured on model2 it cost most of the removal, docs/SOLVERS.md)",
-    "end_lead_tol": "nats by which a runner-up word may gain on <|im_end|> on average over the turn ends (real and plausible) where it is the base runner-up, at a cost of λ_coll (0: off, the default: on model2 it held the turn end a drifting word took, not a 0.004-nat tie, docs/SOLVERS.md)",
-    "eval_every": "steps between exact evaluations (re-quantised: KL, train and dev residual per phrase)",
-    "recover_after": "after this many exact evaluations in a row over the KL budget, restart from the kept candidate with fresh Adam moments and half the step (0: off, λ alone; measured in docs/BENCHMARKS.md)",
-    "relax": "the multipliers come back down: λ halves (never below lambda_kl) after an evaluation whose KLs all stand below this share of their limits, λ_flip after relax_after clean evaluations (0: they only rise; docs/SOLVERS.md \"Multipliers that come back down\")",
-    "relax_after": "clean evaluations in a row (no flip, no lost turn end) before λ_flip halves",
-    "time_budget_s": "> 0: stop after this many seconds, keeping the best candidate so far",
-    "seed": "training seed",
-}
+# The solver's settings ([solver], [solver.wfld], [solver.ftpo]) carry their meaning, default and range in their
+# config dataclass fields (solvers/knobs.py `knob`): schema() reads them from there.
 
 
 def _fields(cls) -> dict[str, object]:
@@ -172,6 +101,7 @@ def schema() -> list[Key]:
     """Every key of the experiment file, defaults from the parsers' dataclasses."""
     from l47.data import experiment as E
     from l47.solvers.ftpo import FtpoConfig
+    from l47.solvers.knobs import meanings
     from l47.solvers.solve import DEFAULT_METHOD, SolveConfig
     from l47.solvers.wfld import WfldConfig
 
@@ -196,13 +126,15 @@ def schema() -> list[Key]:
     keys += [Key("thresholds", k, _typename(v), v, THRESHOLD_MEANINGS.get(k, "")) for k, v in th.items()]
     sc = _fields(SolveConfig)
     sc["method"] = DEFAULT_METHOD  # the solver's own default (l47.solvers.solve), written active by init
+    solver_meaning = meanings(SolveConfig)
     for k in E_SOLVER_KEYS():
         if k in ("wfld", "ftpo"):
-            keys.append(Key("solver", k, "table", None, SOLVER_MEANINGS.get(k, "")))
+            keys.append(Key("solver", k, "table", None, solver_meaning[k]))
         else:
-            keys.append(Key("solver", k, _typename(sc.get(k)), sc.get(k), SOLVER_MEANINGS.get(k, "")))
-    keys += [Key("solver.wfld", k, _typename(v), v, WFLD_MEANINGS.get(k, "")) for k, v in _fields(WfldConfig).items()]
-    keys += [Key("solver.ftpo", k, _typename(v), v, FTPO_MEANINGS.get(k, "")) for k, v in _fields(FtpoConfig).items()]
+            keys.append(Key("solver", k, _typename(sc.get(k)), sc.get(k), solver_meaning[k]))
+    for table, cls in (("solver.wfld", WfldConfig), ("solver.ftpo", FtpoConfig)):
+        mean = meanings(cls)
+        keys += [Key(table, k, _typename(v), v, mean[k]) for k, v in _fields(cls).items()]
     return keys
 
 
@@ -339,7 +271,7 @@ def render_experiment(args: InitArgs, model_str: str) -> str:
         L.append(f"# words = []{_comment(by('collateral')[0].meaning)}")
     L += ["", "[thresholds]  # the bars; defaults are the seed's numbers"]
     L += [line(k) for k in by("thresholds")]
-    L += ["", "[solver]", f"method = {toml_value(args.method)}{_comment(SOLVER_MEANINGS['method'])}"]
+    L += ["", "[solver]", f"method = {toml_value(args.method)}{_comment(by('solver')[0].meaning)}"]
     L += [line(k) for k in by("solver") if k.name not in ("method", "wfld", "ftpo")]
     for sub in ("solver.wfld", "solver.ftpo"):
         L += ["", f"[{sub}]"]

@@ -26,7 +26,7 @@ def render_sets_table(report: SetsReport) -> list:
         t.add_column(s, justify="right")
     t.add_column("non-events", justify="right")
     t.add_column("held-out copies", justify="right")
-    ntup = {p["phrase"]: len(p["tuples"]) for p in report.phrases}
+    ntup = {p.phrase: len(p.tuples) for p in report.phrases}
     for ph in ev:
         t.add_row(Text(ph), str(ntup.get(ph, 0)), *[str(ev[ph].get(s, 0)) for s in sets],
                   str(sum(nev.get(ph, {}).values())), str(cp.get(ph, {}).get("heldout", 0)))

@@ -25,6 +25,7 @@ import numpy as np
 from l47.model import names
 from l47.errors import L47Error
 from l47.dumps.schema import PROV_GENERATED
+from l47.dumps.select import PhraseTuples
 from l47.data.experiment import KLD, SCORED_SETS, SETS, SOLVER_SETS, SPLIT_SETS, Experiment, load_experiment
 
 SCHEMA = "l47.sets/1"
@@ -161,7 +162,7 @@ class SetsReport:
     model_sha256: str
     vocab: str
     thresholds: dict
-    phrases: tuple[dict, ...]  # {phrase, margin_scale, tuples, variants}
+    phrases: tuple[PhraseTuples, ...]  # the phrases' id tuples (JSON: {phrase, margin_scale, tuples, variants})
     phrase_issues: tuple[dict, ...]  # {phrase, variant, ids, reason}
     collateral_words: dict[str, int]
     special_ids: dict[str, int]
@@ -187,7 +188,7 @@ class SetsReport:
 
     def counts(self, what: str = "events") -> dict[str, dict[str, int]]:
         """phrase → set → count of `events` / `non_events` / `copies` (in-context copies among events)."""
-        out = {p["phrase"]: {} for p in self.phrases}
+        out = {p.phrase: {} for p in self.phrases}
         src = self.non_events if what == "non_events" else self.events
         for e in src:
             if what == "copies" and not e.in_context_copy:
@@ -222,7 +223,7 @@ class SetsReport:
 
     # --- serialisation
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "phrases": [phrase_to_json(p) for p in self.phrases]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False, indent=1, allow_nan=False)
@@ -235,7 +236,7 @@ class SetsReport:
         docs = tuple(DocReport(**{**x, "coverage": Coverage(**x["coverage"]), "reasons": tuple(x["reasons"])})
                      for x in d["docs"])
         return SetsReport(**{
-            **d, "phrases": tuple(d["phrases"]), "phrase_issues": tuple(d["phrase_issues"]), "docs": docs,
+            **d, "phrases": tuple(phrase_from_json(p) for p in d["phrases"]), "phrase_issues": tuple(d["phrase_issues"]), "docs": docs,
             "events": tuple(ev(x) for x in d["events"]), "non_events": tuple(ev(x) for x in d["non_events"]),
             "collateral": tuple(CollateralRecord(**x) for x in d["collateral"]), "warnings": tuple(d["warnings"]),
             "overlaps": tuple(Overlap(**x) for x in d.get("overlaps", ())), "stamps": tuple(d.get("stamps", ())),
@@ -366,6 +367,18 @@ def check_sets_report(report: SetsReport, exp: Experiment, path) -> None:
     """`l47 plan` / `l47 solve --sets`: refuse (check_handoff) a sets report not made from this experiment's
     content — another experiment's, or this one's before a phrase, a threshold or a document changed."""
     check_handoff(path, "sets report", report.content, report.content_sha256, experiment_content(exp), exp.path)
+
+
+def phrase_to_json(p: PhraseTuples) -> dict:
+    """A phrase's id tuples at the JSON boundary: {phrase, margin_scale, tuples, variants}."""
+    return {"phrase": p.phrase, "margin_scale": p.margin_scale, "tuples": [list(t) for t in p.tuples],
+            "variants": list(p.variants)}
+
+
+def phrase_from_json(d: dict) -> PhraseTuples:
+    """The one PhraseTuples builder from a sets report's JSON phrase (phrase_to_json's inverse)."""
+    return PhraseTuples(d["phrase"], tuple(tuple(int(i) for i in t) for t in d["tuples"]), tuple(d["variants"]),
+                        float(d.get("margin_scale", 1.0)))
 
 
 def load_sets_report(path) -> SetsReport:
@@ -883,8 +896,7 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     return SetsReport(
         schema=SCHEMA, experiment=str(exp.path), name=exp.name, model=w.path, model_sha256=w.model_sha256,
         vocab=vocab.name, thresholds=th.to_dict(),
-        phrases=tuple({"phrase": pt.phrase, "margin_scale": pt.margin_scale, "tuples": [list(t) for t in pt.tuples],
-                       "variants": list(pt.variants)} for pt in phrases),
+        phrases=tuple(phrases),
         phrase_issues=tuple({"phrase": i.phrase, "variant": i.variant, "ids": list(i.ids), "reason": i.reason}
                             for i in issues),
         collateral_words=dict(words), special_ids=dict(vocab.special_ids), docs=tuple(d.report for d in docs),

@@ -13,6 +13,7 @@ Precision: f64 sums; replicate weights are integer draw counts.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -128,3 +129,19 @@ def settings(seed: int = 0) -> dict:
 
 __all__ = ["N_BOOT", "LEVEL", "POOLED", "bootstrap_over_documents", "per_phrase_bootstrap", "key_seed", "interval",
            "phrase_intervals", "residual_intervals", "settings"]
+
+
+def ratio_upper(x: np.ndarray, doc: np.ndarray, z: float = 1.645) -> float:
+    """One-sided upper bound of the row mean of x [P] over documents drawn at random (cluster ratio estimator,
+    f64): R + z·SE, R = Σx / P, SE² = D/(D−1) · Σ_d (S_d − R·n_d)² / P² (S_d, n_d: a document's sum and rows).
+    With one document, R itself."""
+    x = np.asarray(x, dtype=np.float64)
+    _, inv = np.unique(np.asarray(doc), return_inverse=True)
+    S, n = np.bincount(inv, weights=x), np.bincount(inv).astype(np.float64)  # [D]
+    R, D = float(x.mean()), len(S)
+    if D < 2:
+        return R
+    se = math.sqrt(D / (D - 1) * float(((S - R * n) ** 2).sum())) / len(x)
+    return R + z * se
+
+
