@@ -468,13 +468,12 @@ def _write_bundle_and_record(prob: Problem, shipped: Shipped, claims: rec.SolveC
 def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
               progress: Callable[[dict], None] | None = None) -> SolveResult:
     """Solve and write the bundle, its record and the ledger lines. `log` receives messages, `progress` one dict
-    per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths. With
-    `args.sweep`: a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)."""
+    per FTPO step (with "steps", the total). Returns the record (its claims typed) and the paths. `args.sweep`
+    (a small grid of candidates judged on dev, the chosen one written) is solvers/sweep.py's `run_sweep`, which
+    calls into this module: the caller picks (l47.app.solve_report.solve_and_print)."""
     log = log or (lambda _msg: None)
     if args.sweep:
-        from l47.solvers.sweep import run_sweep
-
-        return run_sweep(args, log, progress)
+        raise L47Error("l47 solve", "--sweep", "l47.solvers.sweep.run_sweep for a sweep", "run_solve")
     plan = plan_solve(args)
     problem = pose(plan, solver_for(plan.cfg.method), log)
     feas = check_feasible(problem)

@@ -47,11 +47,24 @@ def modules() -> dict[str, Path]:
     return mods
 
 
-def imports_of(path: Path, modname: str, mods=None) -> set[str]:
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside `if TYPE_CHECKING:` blocks: read by type checkers, never run."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for b in node.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def imports_of(path: Path, modname: str, mods=None, runtime_only: bool = False) -> set[str]:
     mods = modules() if mods is None else mods
     out = set()
     pkg = modname if path.stem == "__init__" else modname.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -84,9 +97,9 @@ def edge_ok(src: str, dst: str, mods: dict) -> bool:
     return "*" in allowed or d in allowed or dst in allowed or any(dst.startswith(a + ".") for a in allowed)
 
 
-def graph() -> dict[str, set[str]]:
+def graph(runtime_only: bool = False) -> dict[str, set[str]]:
     mods = modules()
-    return {m: {i for i in imports_of(p, m, mods) if i.split(".")[0] == "l47"} for m, p in mods.items()}
+    return {m: {i for i in imports_of(p, m, mods, runtime_only) if i.split(".")[0] == "l47"} for m, p in mods.items()}
 
 
 def test_every_edge_of_the_installed_package_is_allowed():
@@ -168,9 +181,8 @@ def _under_main_guard(tree, call) -> bool:
 
 
 
-# Module cycles being removed elsewhere (issue 36 item 1: `solvers/sweep.py` reads `solve.py`'s private `_prepare`
-# and `solve.py` runs the sweep). An entry that is no longer a cycle fails the test: delete it then.
-PENDING_CYCLES = {("l47.solvers.solve", "l47.solvers.sweep")}
+# Module cycles being removed elsewhere. An entry that is no longer a cycle fails the test: delete it then.
+PENDING_CYCLES: set[tuple[str, ...]] = set()
 
 
 def module_cycles(g: dict[str, set[str]]) -> list[tuple[str, ...]]:
@@ -213,9 +225,10 @@ def module_cycles(g: dict[str, set[str]]) -> list[tuple[str, ...]]:
 
 
 def module_graph() -> dict[str, set[str]]:
-    """Module -> the modules of the installed package it imports (module level or inside a function: both run)."""
+    """Module -> the modules of the installed package it imports (module level or inside a function: both run;
+    not under `if TYPE_CHECKING:`, which never runs)."""
     mods = modules()
-    return {m: {d for d in dsts if d in mods and d != m} for m, dsts in graph().items()}
+    return {m: {d for d in dsts if d in mods and d != m} for m, dsts in graph(runtime_only=True).items()}
 
 
 def test_no_import_cycles_between_modules():

@@ -153,9 +153,11 @@ def print_sweep(res, console: Console) -> None:
 def solve_and_print(args, console: Console):
     """run_solve with messages and the FTPO bar on `console`, then the claims (and the sweep's candidates)."""
     from l47.solvers.solve import run_solve
+    from l47.solvers.sweep import run_sweep
 
     with FtpoProgress(console) as bar:
-        res = run_solve(args, log=lambda m: console.print(m, highlight=False), progress=bar)
+        res = (run_sweep if args.sweep else run_solve)(args, log=lambda m: console.print(m, highlight=False),
+                                                       progress=bar)
     print_solve(res, console)
     if res.record.sweep is not None:
         print_sweep(res, console)
