@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field, fields
@@ -579,6 +580,26 @@ def _header_bytes(buf: np.ndarray) -> tuple[bytes | None, str | None]:
     return raw, json_shape_problem(raw, "header", _MAX_HEADER_DEPTH)
 
 
+def _tensor_entry(info, n_data: int):
+    """(dtype tag, shape, begin, end) of one header entry, or the problem as text: dtype a string, shape a list of
+    integers ≥ 0 whose element count fits the data section, data_offsets two integers (a fuzzed header held lists,
+    floats and 10¹⁹-element shapes here: TypeError / OverflowError before this check)."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        return f"expected {{dtype, shape, data_offsets}} in the header, found {info!r:.80}"
+    tag, shape, off = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(tag, str):
+        return f"expected dtype as a string, found {tag!r:.40}"
+    if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                              for x in shape):
+        return f"expected shape as a list of integers ≥ 0, found {shape!r:.60}"
+    if math.prod(shape) > n_data:
+        return f"expected a shape whose elements fit the {n_data}-byte data section, found {shape!r:.60}"
+    if not (isinstance(off, list) and len(off) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in off)):
+        return f"expected data_offsets as two integers, found {off!r:.60}"
+    return tag, shape, off[0], off[1]
+
+
 def _parse(buf: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str], list[str]]:
     """Arrays (views into buf), __metadata__, and structural problems of a safetensors byte buffer."""
     raw, problem = _header_bytes(buf)
@@ -594,17 +615,17 @@ def _parse(buf: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str], list
     st_meta = header.pop(ST_META, {}) or {}
     data, base, out, arrays = buf[8 + hlen:], 8 + hlen, [], {}
     for name, info in header.items():
-        try:
-            tag, shape, (b, e) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            out.append(f"{name}: expected {{dtype, shape, data_offsets}} in the header, found {info!r:.80}")
+        entry = _tensor_entry(info, data.shape[0])
+        if isinstance(entry, str):
+            out.append(f"{name}: {entry}")
             continue
+        tag, shape, b, e = entry
         if tag not in _ST_DTYPES:
             out.append(f"{name}: expected dtype {ARRAY_SPEC[name][0] if name in ARRAY_SPEC else 'numeric'}, found "
                        f"safetensors dtype {tag}")
             continue
         dt = np.dtype(_ST_DTYPES[tag]).newbyteorder("<")
-        nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        nb = math.prod(shape) * dt.itemsize
         if not (0 <= b <= e <= data.shape[0]) or e - b != nb:
             out.append(f"{name}: expected {nb} bytes inside the {data.shape[0]}-byte data section, found "
                        f"data_offsets [{b}, {e}] (truncated file?)")

@@ -164,3 +164,10 @@ def test_bad_values(tmp_path):
         load_experiment(_write(tmp_path, BASE + "margin_scale = -1\n"))
     with pytest.raises(L47Error, match="collateral.words"):
         load_experiment(_write(tmp_path, BASE + "[collateral]\nwords = ['']\n"))
+
+
+def test_a_tilde_user_that_names_no_user_is_one_refusal(tmp_path):
+    """Path.expanduser raises RuntimeError for ~user of no such user (found by scripts/fuzz_readers.py)."""
+    p = _write(tmp_path, 'model = "~no_such_user_l47_zz/m.gguf"\n' + BASE)
+    with pytest.raises(L47Error, match="~user must name a user"):
+        load_experiment(p)

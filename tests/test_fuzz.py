@@ -35,13 +35,7 @@ def figures(fuzz):
     return fuzz.run(list(fuzz.READERS), N, 1, seed=0, limit_s=10.0, save=None)["readers"]
 
 
-# The dump reader's deeply nested header ends in RecursionError (and a few header fields of the wrong JSON type in
-# TypeError / OverflowError) inside dumps/schema.py, whose header size / depth cap another branch of issue 35 adds.
-DUMP_PENDING = pytest.mark.xfail(strict=True, reason="dumps/schema.py: header size/depth cap and field types "
-                                 "(issue 35 item 6, another branch); remove this mark when it lands")
-
-
-@pytest.mark.parametrize("reader", [pytest.param("dump", marks=DUMP_PENDING), "gguf", "experiment", "jsonl"])
+@pytest.mark.parametrize("reader", ["dump", "gguf", "experiment", "jsonl"])
 def test_every_mutant_is_refused_or_read(figures, reader):
     f = figures[reader]
     assert f["inputs"] == N

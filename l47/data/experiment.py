@@ -204,6 +204,15 @@ def _is_file(p: Path, where: Path, name: str) -> bool:
                        f"{getattr(e, 'strerror', None) or e}") from None
 
 
+def _expand(s: str, where: Path, name: str) -> Path:
+    """Path(s) with a leading ~ or ~user expanded; a ~user naming no user is one refusal (Path.expanduser raises
+    RuntimeError there)."""
+    try:
+        return Path(s).expanduser()
+    except RuntimeError:
+        raise L47Error(where, name, "a path (a leading ~user must name a user of this machine)", repr(s)) from None
+
+
 def _paths(where: Path, name: str, v: Any, base: Path, missing: list[str]) -> tuple[Path, ...]:
     if isinstance(v, str):
         v = [v]
@@ -211,7 +220,7 @@ def _paths(where: Path, name: str, v: Any, base: Path, missing: list[str]) -> tu
         raise L47Error(where, name, "a list of dump paths (strings)", f"{v!r:.80}")
     out: list[Path] = []
     for s in v:
-        p = Path(s).expanduser()
+        p = _expand(s, where, name)
         p = p if p.is_absolute() else base / p
         if glob.has_magic(str(p)):
             hits = sorted(Path(h) for h in glob.glob(str(p)))
@@ -298,7 +307,7 @@ def _parse_top(path: Path, d: dict, base: Path, missing: list[str], check_files:
     if model is not None:
         if not isinstance(model, str):
             raise L47Error(path, "model", "a path to the base GGUF", repr(model))
-        model = Path(model).expanduser()
+        model = _expand(model, path, "model")
         model = model if model.is_absolute() else base / model
         if check_files and not _is_file(model, path, "model"):
             missing.append(f"model: {model}")
