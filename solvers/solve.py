@@ -244,7 +244,7 @@ def refuse_thin(exp, report) -> None:
     from l47.data.thin import thin_phrases
 
     th = exp.thresholds
-    thin = thin_phrases([p["phrase"] for p in report.phrases], report.events, report.docs, th.min_train_per_phrase,
+    thin = thin_phrases([p.phrase for p in report.phrases], report.events, report.docs, th.min_train_per_phrase,
                         th.min_heldout_per_phrase)
     if thin:
         none = all(not t.counts.get("train") for t in thin) and len(thin) == len(report.phrases)

@@ -293,7 +293,7 @@ def test_warnings_and_phrase_report(report):
     assert "`l47 audit --blind` refuses a blind set without a slop event" in w
     # the blind set's events per phrase, counted by its tokens (never scored here): its chat holds no phrase
     assert report.blind_events["docs"] == 1 and set(report.blind_events["per_phrase"]) == {
-        p["phrase"] for p in report.phrases if p["tuples"]}
+        p.phrase for p in report.phrases if p.tuples}
     assert not any(report.blind_events["per_phrase"].values()) and not any(report.blind_events["occurrences"].values())
     assert all(c.get("blind") == 0 for ph, c in report.counts("events").items() if ph in report.blind_events["per_phrase"])
     assert "phrase 'end to end': 0 held-out events (< 3)" in w  # all its candidates are non-events here
