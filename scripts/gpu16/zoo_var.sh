@@ -7,7 +7,7 @@
 #   setsid nohup bash scripts/gpu16/zoo_var.sh "def relax0" "0" "demo model2 zoo123 zoo456" > build/gpu16/zv.log 2>&1 &
 # Writes $ZV_OUT (default /tmp/zoo_var)/summary.tsv (var_summary.py) and DONE there. Poll with calls that carry
 # nothing: a call that carries build/gpu16 replaces that folder on the machine.
-VARS=$1; SEEDS=$2; MODELS=$3; P=${P:-8}; TO=${TO:-900}
+VARS=$1; SEEDS=$2; MODELS=${3//,/ }; P=${P:-8}; TO=${TO:-900}
 source scripts/gpu16/setup.sh
 O=${ZV_OUT:-/tmp/zoo_var}; R=$PWD/build/zoo; mkdir -p $O $R  # outside build/gpu16: a later call that carries build/gpu16 replaces it
 t0=$(date +%s)
@@ -32,4 +32,6 @@ done; done; done
 wait
 echo "all $(( $(date +%s)-t0 )) s"
 python3 scripts/gpu16/var_summary.py $O > $O/summary.tsv; cat $O/summary.tsv
+[ -n "$OUT" ] && mkdir -p $OUT && (cd $O && find . -name results.json -o -name report.json | grep -v '^./base' \
+  | tar czf $OUT/runs.tgz -T -)
 touch $O/DONE
