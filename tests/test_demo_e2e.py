@@ -100,7 +100,7 @@ def test_dev_bar_values_recomputed(demo):
         if e["set"] == "heldout":
             ho[e["phrase"]] += 1
     assert bars["c.min_heldout_per_phrase"]["value"] == min(ho.values())
-    assert bars["c.min_heldout_per_phrase"]["passed"] == (min(ho.values()) >= 3)
+    assert bars["c.min_heldout_per_phrase"]["passed"] == (min(ho.values()) >= rep["thresholds"]["min_heldout_per_phrase"])
     cw = {w: 0 for w in sets["collateral_words"]}
     for c in sets["collateral"]:
         if c["set"] == "collateral_eval":
@@ -218,8 +218,9 @@ def test_planted_failures_on_the_demo(demo, tmp_path):
     forged = dump_written_chat(MODEL, tmp_path / "forged", "forged-chat", [
         {"role": "user", "content": "Could you look over the release checklist for tomorrow?"},
         {"role": "assistant", "content": "<think>\nThe list has five items.\n</think>\n\nThe checklist looks "
-                                         "complete. I would move the backup step before the migration and add a "
-                                         "note about the rollback window."}])
+                                         "complete end to end. I would move the backup step before the migration "
+                                         "and add a note about the rollback window."}])
+    # (it holds a phrase: a blind set without a slop event is refused before any bar, issue 35 item 8)
     unnatural = dump_written_chat(MODEL, tmp_path / "unnatural", "unnatural-chat", [
         {"role": "user", "content": unnatural_text(MODEL, seed=1)},
         {"role": "assistant", "content": unnatural_text(MODEL, seed=2)}])

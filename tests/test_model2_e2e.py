@@ -94,8 +94,9 @@ def test_planted_failures_on_model2(run, tmp_path):
                        out / "wfld" / "audit" / "report.json")
     forged = dump_written_chat(model, tmp_path / "forged", "forged-chat", [
         {"role": "user", "content": "My order arrived with a cracked lid. What can I do?"},
-        {"role": "assistant", "content": "<think>\nOffer a replacement.\n</think>\n\nSorry about the lid. I can "
-                                         "send a new one today, or refund the item if you prefer."}])
+        {"role": "assistant", "content": "<think>\nOffer a replacement.\n</think>\n\nSorry about the lid. Rest assured, "
+                                         "I can send a new one today, or refund the item if you prefer."}])
+    # (it holds a phrase: a blind set without a slop event is refused before any bar, issue 35 item 8)
     unnatural = dump_written_chat(model, tmp_path / "unnatural", "unnatural-chat", [
         {"role": "user", "content": unnatural_text(model, seed=1)},
         {"role": "assistant", "content": unnatural_text(model, seed=2)}])

@@ -153,6 +153,15 @@ def _fill(m: WalkModel, exp: Path) -> None:
         lines = [ln for ln in (m.data / src).read_text(encoding="utf-8").splitlines() if ln.strip()][which]
         assert lines, (src, which)
         (exp / rel).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # the walk's documents are a few of each kind (minutes, not hours): its phrases are thin, which plan and solve
+    # refuse by default (min_train_per_phrase 5, min_heldout_per_phrase 3); the user's edit of the experiment file
+    # lowers both to 1, and every report of the walk says "weakened"
+    toml = exp / "experiment.toml"
+    text = toml.read_text(encoding="utf-8")
+    for key in ("min_train_per_phrase", "min_heldout_per_phrase"):
+        text, n = re.subn(rf"^#?\s*{key}\s*=.*$", f"{key} = 1", text, count=1, flags=re.M)
+        assert n == 1, (key, "not in l47 init's experiment.toml")
+    toml.write_text(text, encoding="utf-8")
 
 
 def _own_phrases(words: list[str], m: WalkModel) -> list[str]:

@@ -54,8 +54,8 @@ def _toml_list(paths) -> str:
 # hand-set WFLD's p_cap and max_anchors_per_word for this model; a default that needs that is a defect (issue 12).
 SOLVER = ""
 # a run on the first N prompts only (tests): its phrases may be thin; they are solved and audited, not refused,
-# and every report says "weakened" (min_train_per_phrase below its default)
-REDUCED = "[thresholds]\nmin_train_per_phrase = 1\n"
+# and every report says "weakened" (min_train_per_phrase, min_heldout_per_phrase below their defaults)
+REDUCED = "[thresholds]\nmin_train_per_phrase = 1\nmin_heldout_per_phrase = 1\n"
 
 
 def write_experiment(out: Path, model: Path, d: dict[str, list[Path]], solver: str = SOLVER, *,
