@@ -255,6 +255,8 @@ def _text_edit(rng: random.Random, b: bytes) -> bytes:
 def _jsonl_edit(rng: random.Random, b: bytes) -> bytes:
     """A record's structure edited (types of id / text / messages / role / content), or a text edit."""
     lines = [ln for ln in b.split(b"\n") if ln.strip()]
+    if not lines:  # an earlier mutation of the same input left no record
+        return _text_edit(rng, b)
     i = rng.randrange(len(lines))
     try:
         rec = json.loads(lines[i])
