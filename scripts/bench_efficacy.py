@@ -53,6 +53,7 @@ class ModelSpec:
     pool_generate: str | None = "prompts.jsonl"
     pool_written: str | None = None
     caps: dict = field(default_factory=dict)
+    blind_prompts: str = "heldback_blind_prompts.jsonl"  # prompts in no document of any set: the blind chats'
 
 
 def specs() -> dict[str, ModelSpec]:
@@ -78,7 +79,7 @@ def zoo_spec(seed: int, root: Path, small: bool = False) -> ModelSpec:
                      tuple(z["kld"]), "prompts.jsonl", "pool_chat.jsonl")
 
 
-SMALL = {"prompts": 8, "pool_chat": 48, "heldout_chat": 6, "collateral": 16, "background": 6, "kld": 3}
+SMALL = {"prompts": 8, "pool_chat": 48, "heldout_chat": 6, "collateral": 16, "background": 6, "kld": 3, "blind": 2}
 
 
 def _subset(src: Path, dst: Path, n: int | None) -> Path:
@@ -258,8 +259,73 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
             m[split] = _per_phrase(rows.get(split))
         log(f"{spec.name}/{method}: audit {'PASS' if a.passed else 'FAIL'}; held-out residual "
             f"{(m['heldout'].get('(all)') or {}).get('residual')}")
+        if opts.caps.get("blind", BLIND_CHATS) != 0:
+            res["command"] = f"l47 audit {bundle} --blind (a fresh blind set) --dev {Path(a.out_dir) / 'report.json'}"
+            m["blind"] = blind_signoff(spec, out, mdir, BlindRun(bundle, exp, Path(a.out_dir) / "report.json"), opts,
+                                       log)
     res.pop("command", None)
     return res
+
+
+BLIND_CHATS = 8  # fresh chats per blind set, as `l47 demo` signs off (l47.app.demo.BLIND_CHATS)
+
+
+@dataclass(frozen=True)
+class BlindRun:
+    """What a blind sign-off signs: the bundle, its experiment and the dev audit's report."""
+
+    bundle: Path
+    exp: Path
+    dev_report: Path
+
+
+def blind_set(spec: ModelSpec, out: Path, ledger, opts: BenchOptions) -> tuple[list[Path], str]:
+    """The blind set of a model: `BLIND_CHATS` fresh chats of its own from prompts of no set (`spec.blind_prompts`),
+    as `l47 demo` makes them (each new by content to the ledger, each holding a slop event; the audit refuses a
+    written blind chat). Returns (dump paths, how they were made)."""
+    from l47.app.demo import fresh_blind_chats
+    from l47.dumps.select import phrases_to_tuples
+    from l47.model.vocab import vocab_for_model
+
+    n = opts.caps.get("blind", BLIND_CHATS)
+    pts, _ = phrases_to_tuples(list(spec.phrases), vocab_for_model(spec.model))
+    paths, how = fresh_blind_chats(spec.model, out, ledger, pts, 1000, n=n, prompts_file=spec.data / spec.blind_prompts,
+                                   device=opts.device)
+    return paths, (f"{len(paths)} fresh chats of the model's own from {spec.blind_prompts} "
+                   f"({len(how['skipped'])} seeds skipped)")
+
+
+def blind_signoff(spec: ModelSpec, out: Path, mdir: Path, run: BlindRun, opts: BenchOptions, log) -> dict:
+    """`l47 audit BUNDLE --blind SET --dev REPORT` on a fresh blind set (blind_set) -> {passed, how, per phrase
+    residual with its 90 % interval over documents, the audit's error if it refused}."""
+    from l47.data.ledger import Ledger
+    from l47.errors import L47Error
+    from l47.evals.audit import AuditArgs, run_audit
+    from l47.model.gguf_io import open_gguf
+
+    ledger_path = mdir / "ledger.jsonl"
+    t0 = time.time()
+    try:
+        paths, how = blind_set(spec, out, Ledger.open(ledger_path, open_gguf(spec.model).sha256()), opts)
+        a = run_audit(AuditArgs(run.bundle, spec.model, run.exp, mdir / "audit-blind", blind=tuple(paths),
+                                dev_report=run.dev_report, ledger=ledger_path, plots=False, device=opts.device))
+    except L47Error as e:
+        log(f"{spec.name}: blind sign-off refused: {e}")
+        return {"error": str(e), "s": round(time.time() - t0, 1)}
+    rep = a.report
+    slop = (rep.get("blind") or {}).get("slop") or {}
+    per = {ph: _interval_row(x) for ph, x in (slop.get("per_phrase") or {}).items()}
+    per["(all)"] = _interval_row(slop)
+    failed = [b["name"] for b in rep["bars"] if b.get("applicable", True) and b.get("passed") is False]
+    log(f"{spec.name}: blind sign-off {'PASS' if a.passed else 'FAIL'} ({how}); residual "
+        f"{_f(per['(all)']['residual'])}{'; failed ' + ', '.join(failed) if failed else ''}")
+    return {"passed": a.passed, "how": how, "per_phrase": per, "failed": failed, "s": round(time.time() - t0, 1)}
+
+
+def _interval_row(x: dict) -> dict:
+    """An audit's slop figures (one phrase or pooled) as the bench's row {n, docs, residual, lo, hi}."""
+    iv = x.get("residual_interval") or [None, None]
+    return {"n": x.get("n"), "docs": x.get("n_docs"), "residual": x.get("residual_ratio"), "lo": iv[0], "hi": iv[1]}
 
 
 def zoo_seed_list(n: int, given: str) -> list[int]:
@@ -343,6 +409,15 @@ def _arch_line(z: dict) -> str:
             f"head {z['head_type']}")
 
 
+def _blind_cell(b: dict | None) -> str:
+    """The blind sign-off's verdict (and the bars it failed, or why it was refused) for the method table."""
+    if not b:
+        return "—"
+    if "error" in b:
+        return f"refused: {b['error'][:80]}"
+    return ("PASS" if b["passed"] else "FAIL " + ", ".join(b["failed"])) + f" ({b['how'].split(' (')[0]})"
+
+
 def _slack(b: dict) -> float | None:
     """How far a bar's value is inside its threshold (negative: outside), in the bar's own units."""
     v, t = b.get("value"), b.get("threshold")
@@ -383,28 +458,29 @@ def markdown(results: dict) -> str:
             lines += [f"### {name} (`{Path(r['model']).name}`)", ""]
         lines += [
                   "| phrase | events train/dev/held-out | " +
-                  " | ".join(f"{m} dev | {m} held-out" for m in r["methods"]) + " |",
-                  "|---|---|" + "---|---|" * len(r["methods"])]
+                  " | ".join(f"{m} dev | {m} held-out | {m} blind" for m in r["methods"]) + " |",
+                  "|---|---|" + "---|---|---|" * len(r["methods"])]
         for ph, ev in list(r["events"].items()) + [("(all)", None)]:
             cells = [ph, "" if ev is None else f"{ev['train']}/{ev['dev']}/{ev['heldout']}"]
             for m in r["methods"].values():
-                for split in ("dev", "heldout"):
-                    x = (m.get(split) or {}).get(ph)
+                for x in ((m.get("dev") or {}).get(ph), (m.get("heldout") or {}).get(ph),
+                          ((m.get("blind") or {}).get("per_phrase") or {}).get(ph)):
                     cells.append("—" if not x or x["residual"] is None else
                                  f"{x['residual']:.2f} [{_f(x['lo'], 2)}, {_f(x['hi'], 2)}]")
             lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "| method | verdict | bg KL exact | bg KL predicted | ‖ΔW‖/‖W‖ | stop | steps | failed bars | "
-                  "solve s | audit s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| method | verdict | blind | bg KL exact | bg KL predicted | ‖ΔW‖/‖W‖ | stop | steps | failed bars | "
+                  "solve s | audit s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mn, m in r["methods"].items():
             if "solve_error" in m:
-                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | | | | {m['solve_s']} | |")
+                lines.append(f"| {mn} | solve refused: {m['solve_error'][:120]} | | | | | | | | {m['solve_s']} | |")
                 continue
             if "audit_error" in m:
-                lines.append(f"| {mn} | audit refused: {m['audit_error'][:120]} | | | | | | | {m['solve_s']} | |")
+                lines.append(f"| {mn} | audit refused: {m['audit_error'][:120]} | | | | | | | | {m['solve_s']} | |")
                 continue
             failed = [k for k, b in (m.get("bars") or {}).items() if b["applicable"] and b["passed"] is False]
             conv = m.get("convergence") or {}
-            lines.append(f"| {mn} | {'PASS' if m.get('passed') else 'FAIL'} | {_f(m.get('background_kl_exact'))} | "
+            lines.append(f"| {mn} | {'PASS' if m.get('passed') else 'FAIL'} | {_blind_cell(m.get('blind'))} | "
+                         f"{_f(m.get('background_kl_exact'))} | "
                          f"{_f(m.get('background_kl_predicted'))} | {_f(m.get('dW_rel_norm'))} | "
                          f"{conv.get('stop_reason') or '—'} | {_f(conv.get('iterations'))} | {', '.join(failed) or 'none'} | "
                          f"{m.get('solve_s')} | {m.get('audit_s', '—')} |")

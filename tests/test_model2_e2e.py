@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-TINY = {"prompts": 0, "pool_chat": 30, "heldout_chat": 3, "collateral": 8, "background": 4, "kld": 2}
+TINY = {"prompts": 0, "pool_chat": 30, "heldout_chat": 3, "collateral": 8, "background": 4, "kld": 2, "blind": 2}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,24 @@ def test_solve_and_audit_figures(run):
     # ... and the bar's value is the worst phrase's reduction
     assert bars["c.slop"]["value"] == pytest.approx(
         min(1 - x["residual"] for ph, x in m["heldout"].items() if ph != "(all)"), abs=1e-5)
+
+
+def test_blind_signoff_figures(run):
+    """The bench's blind column: two fresh chats of model2's own from its held-back prompts (user turns found in no
+    other file of model2's), signed off; each phrase's residual is re-derived from the blind report's own event rows (Σ p_after / Σ p_before)."""
+    out, res = run
+    b = res["methods"]["wfld"]["blind"]
+    assert "error" not in b, b
+    assert b["how"].startswith("2 fresh chats of the model's own from heldback_blind_prompts.jsonl")
+    rep = json.loads((out / "wfld" / "audit-blind" / "report.json").read_text())
+    assert rep["mode"] == "blind" and b["passed"] == rep["passed"]
+    rows = rep["blind"]["slop"]["events"]
+    assert rows, "a blind set without an event is refused before scoring"
+    for ph, x in b["per_phrase"].items():
+        rs = [r for r in rows if ph == "(all)" or r["phrase"] == ph]
+        assert x["n"] == len(rs) > 0, ph
+        assert x["residual"] == pytest.approx(sum(r["p_after"] for r in rs) / sum(r["p_before"] for r in rs),
+                                              rel=1e-9)  # the report's own floats: only the sum's order differs
 
 
 def test_planted_failures_on_model2(run, tmp_path):

@@ -118,13 +118,14 @@ BLIND_CHATS = 8  # fresh blind chats per sign-off (the blind set; k runs on over
 
 
 def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=None,
-                     k0: int | None = None) -> tuple[Path, dict]:
+                     k0: int | None = None, prompts_file: Path | None = None,
+                     device: str = "cpu") -> tuple[Path, dict]:
     """A blind chat nobody has scored: the model's own generation from a held-back prompt, with a seed it has
     not used — the k-th blind document of this base model (k = "blind-started" entries in its ledger, or `k0`)
     uses prompt k mod N and seed `seed` + k. Seeds are skipped (k + 1, ...) while the generation is already in the
     ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; BLIND_TRIES
-    such misses in a row at most); only the tokens are looked at, nothing is scored. Returns (dump path, how it was
-    chosen)."""
+    such misses in a row at most); only the tokens are looked at, nothing is scored. `prompts_file`: the held-back
+    prompts (default: the demo's). Returns (dump path, how it was chosen)."""
     from l47.app.dump_view import dump_and_print
     from l47.app.dumping import DumpJob, GenerateOptions
     from l47.data.ledger import EV_BLIND_STARTED
@@ -133,7 +134,7 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
     from l47.errors import L47Error
     from l47.fileio import write_text_atomic
 
-    prompts = [ln for ln in (DATA / BLIND_PROMPTS).read_text().splitlines() if ln.strip()]
+    prompts = [ln for ln in (prompts_file or DATA / BLIND_PROMPTS).read_text().splitlines() if ln.strip()]
     k0 = ledger.count(EV_BLIND_STARTED) if k0 is None else k0
     skipped, k, misses = [], k0, 0
     while misses < BLIND_TRIES:  # misses in a row: a seed whose chat is in the ledger (an earlier run used it;
@@ -143,7 +144,7 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
         src = write_text_atomic(out / "inputs" / f"blind-{k}.jsonl", json.dumps(rec) + "\n")
         gen = GenerateOptions(max_new_tokens=CHAT_TOKENS, seed=seed + k, temperature=0.7, top_p=0.9, top_k=40,
                               think=True)
-        s = dump_and_print(DumpJob(model, src, out / "dumps" / "blind" / str(k), generate=gen), console)
+        s = dump_and_print(DumpJob(model, src, out / "dumps" / "blind" / str(k), generate=gen, device=device), console)
         path = next(Path(r.path) for r in s.results if r.path)
         d = read_dump(path)
         if ledger.scored(d.sha256):
@@ -160,7 +161,8 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
 
 
 def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = BLIND_CHATS,
-                      console=None) -> tuple[list[Path], dict]:
+                      console=None, prompts_file: Path | None = None,
+                      device: str = "cpu") -> tuple[list[Path], dict]:
     """The blind set: `n` fresh blind chats (fresh_blind_chat), k running on from the ledger's "blind-started"
     count so every chat has its own prompt (k mod N) and seed. Returns (dump paths, {"chats": [how each was
     chosen], "skipped": [...]})."""
@@ -169,7 +171,8 @@ def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = B
     k = ledger.count(EV_BLIND_STARTED)
     paths, chats, skipped = [], [], []
     for _ in range(n):
-        path, how = fresh_blind_chat(model, out, ledger, pts, seed, console, k0=k)
+        path, how = fresh_blind_chat(model, out, ledger, pts, seed, console, k0=k, prompts_file=prompts_file,
+                                     device=device)
         paths.append(path)
         chats.append({"prompt": how["prompt"], "seed": how["seed"], "k": how["k"], "doc": str(path)})
         skipped += how["skipped"]
