@@ -268,6 +268,8 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
 
 
 BLIND_CHATS = 8  # fresh chats per blind set, as `l47 demo` signs off (l47.app.demo.BLIND_CHATS)
+BLIND_TRIES = 24  # fresh seeds in a row without a slop event before a blind set is given up: a zoo model's own
+# chats hold ~1 event each on average but some prompts rarely lead to one (zoo 2689: six misses in a row)
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,7 @@ def blind_set(spec: ModelSpec, out: Path, ledger, opts: BenchOptions) -> tuple[l
     n = opts.caps.get("blind", BLIND_CHATS)
     pts, _ = phrases_to_tuples(list(spec.phrases), vocab_for_model(spec.model))
     paths, how = fresh_blind_chats(spec.model, out, ledger, pts, 1000, n=n, prompts_file=spec.data / spec.blind_prompts,
-                                   device=opts.device)
+                                   device=opts.device, tries=BLIND_TRIES)
     return paths, (f"{len(paths)} fresh chats of the model's own from {spec.blind_prompts} "
                    f"({len(how['skipped'])} seeds skipped)")
 

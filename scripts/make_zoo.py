@@ -353,11 +353,13 @@ def build_eval_docs(spec: ZooSpec, pool_chats: int | None = None) -> dict[str, l
     s = spec.seed
     seen: set[str] = set()
 
-    def prompts(rng, n, prefix):
+    def prompts(rng, n, prefix, elsewhere: str = ""):
+        """n prompts of distinct user turns; a held-back prompt's user turn also occurs in no other document
+        (`elsewhere`: their texts): the blind sign-off refuses a chat whose prompt a set of the experiment holds."""
         out = []
         while len(out) < n:
             m = w.prompt(rng)
-            if m[1]["content"] not in seen:
+            if m[1]["content"] not in seen and m[1]["content"] not in elsewhere:
                 seen.add(m[1]["content"])
                 out.append({"id": f"{prefix}-{len(out):03d}", "messages": m})
         return out
@@ -373,8 +375,6 @@ def build_eval_docs(spec: ZooSpec, pool_chats: int | None = None) -> dict[str, l
 
     ev: dict[str, list[dict]] = {}
     ev["prompts"] = prompts(r("prompts"), 48, f"z{s}-prompt")
-    ev["heldback_chat_prompts"] = prompts(r("heldback-chat"), 20, f"z{s}-heldback")
-    ev["heldback_blind_prompts"] = prompts(r("heldback-blind"), 8, f"z{s}-blind-prompt")
     n_pool = spec.size.pool_chats if pool_chats is None else pool_chats
     ev["pool_chat"] = phrase_rich(r("pool"), n_pool, f"z{s}-pool")
     ev["heldout_chat"] = phrase_rich(r("heldout"), 48, f"z{s}-heldout", think_last=1.0)
@@ -403,6 +403,10 @@ def build_eval_docs(spec: ZooSpec, pool_chats: int | None = None) -> dict[str, l
     ev[chat_stem] = [{"id": f"z{s}-kld-chat-{i:02d}", "messages": w.chat(rk, phrases=())} for i in range(8)]
     ev[notes_stem] = [{"id": f"z{s}-kld-notes-{i:02d}", "text": w.note(rk)} for i in range(8)]
     ev[json_stem] = [{"id": f"z{s}-kld-json-{i:02d}", "messages": w.json_chat(rk)} for i in range(8)]
+    # held back last, from their own streams (nothing above changes): prompts whose user turn no document holds
+    elsewhere = "\n".join(dc.doc_text(d) for docs in ev.values() for d in docs)
+    ev["heldback_chat_prompts"] = prompts(r("heldback-chat"), 20, f"z{s}-heldback", elsewhere)
+    ev["heldback_blind_prompts"] = prompts(r("heldback-blind"), 8, f"z{s}-blind-prompt", elsewhere)
     return ev
 
 

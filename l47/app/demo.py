@@ -119,11 +119,11 @@ BLIND_CHATS = 8  # fresh blind chats per sign-off (the blind set; k runs on over
 
 def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=None,
                      k0: int | None = None, prompts_file: Path | None = None,
-                     device: str = "cpu") -> tuple[Path, dict]:
+                     device: str = "cpu", tries: int = BLIND_TRIES) -> tuple[Path, dict]:
     """A blind chat nobody has scored: the model's own generation from a held-back prompt, with a seed it has
     not used — the k-th blind document of this base model (k = "blind-started" entries in its ledger, or `k0`)
     uses prompt k mod N and seed `seed` + k. Seeds are skipped (k + 1, ...) while the generation is already in the
-    ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; BLIND_TRIES
+    ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; `tries`
     such misses in a row at most); only the tokens are looked at, nothing is scored. `prompts_file`: the held-back
     prompts (default: the demo's). Returns (dump path, how it was chosen)."""
     from l47.app.dump_view import dump_and_print
@@ -137,7 +137,7 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
     prompts = [ln for ln in (prompts_file or DATA / BLIND_PROMPTS).read_text().splitlines() if ln.strip()]
     k0 = ledger.count(EV_BLIND_STARTED) if k0 is None else k0
     skipped, k, misses = [], k0, 0
-    while misses < BLIND_TRIES:  # misses in a row: a seed whose chat is in the ledger (an earlier run used it;
+    while misses < tries:  # misses in a row: a seed whose chat is in the ledger (an earlier run used it;
         # the ledger's count lags the seeds a blind set skipped, so a rerun walks those again) resets the count
         rec = json.loads(prompts[k % len(prompts)])
         rec["id"] = f"{rec['id']}-seed{seed + k}"
@@ -156,13 +156,13 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
         else:
             return path, {"prompt": rec["id"], "seed": seed + k, "k": k, "skipped": skipped}
         k += 1
-    raise L47Error(out / "dumps" / "blind", "blind chat", f"a generation with a slop event in {BLIND_TRIES} fresh "
+    raise L47Error(out / "dumps" / "blind", "blind chat", f"a generation with a slop event in {tries} fresh "
                    "seeds in a row", "; ".join(skipped))
 
 
 def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = BLIND_CHATS,
                       console=None, prompts_file: Path | None = None,
-                      device: str = "cpu") -> tuple[list[Path], dict]:
+                      device: str = "cpu", tries: int = BLIND_TRIES) -> tuple[list[Path], dict]:
     """The blind set: `n` fresh blind chats (fresh_blind_chat), k running on from the ledger's "blind-started"
     count so every chat has its own prompt (k mod N) and seed. Returns (dump paths, {"chats": [how each was
     chosen], "skipped": [...]})."""
@@ -172,7 +172,7 @@ def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = B
     paths, chats, skipped = [], [], []
     for _ in range(n):
         path, how = fresh_blind_chat(model, out, ledger, pts, seed, console, k0=k, prompts_file=prompts_file,
-                                     device=device)
+                                     device=device, tries=tries)
         paths.append(path)
         chats.append({"prompt": how["prompt"], "seed": how["seed"], "k": how["k"], "doc": str(path)})
         skipped += how["skipped"]
