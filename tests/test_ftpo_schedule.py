@@ -4,6 +4,7 @@ the residual's trend at a step cap)."""
 
 import math
 
+import numpy as np
 import pytest
 
 from l47.solvers.ftpo import (BIND_DEV_KL, BIND_FLIPS, BIND_KL, STOP_TARGET, next_multiplier, phrase_stops,
@@ -24,10 +25,19 @@ def _h(step, res, bad=()):
 
 
 def test_residual_trend_is_the_log_slope_of_the_last_evaluations():
-    steps = list(range(0, 200, 10))
-    res = [0.9 * math.exp(-0.002 * s) for s in steps]  # log-linear: slope −0.002 per step exactly
-    assert residual_trend(steps, res) == pytest.approx(-0.002, rel=1e-9)
-    assert residual_trend([0, 10], [1.0, 0.5]) == 0.0  # fewer than 3 evaluations: no trend
+    steps = list(range(0, 400, 10))
+    res = [0.9 * math.exp(-0.002 * s) for s in steps]  # log-linear: slope −0.002 per step exactly, no scatter
+    slope, se = residual_trend(steps, res)
+    assert slope == pytest.approx(-0.002, rel=1e-9) and se == pytest.approx(0.0, abs=1e-12)
+    assert residual_trend([0, 10], [1.0, 0.5]) == (0.0, 0.0)  # fewer than 3 evaluations: no trend
+    # with scatter: slope and standard error against numpy's least squares (its covariance, unscaled by n − 2)
+    noisy = [0.6 * math.exp(-0.0005 * s + 0.05 * math.sin(1.7 * s)) for s in steps]
+    x, y = np.asarray(steps[-30:], float), np.log(noisy[-30:])
+    coef, cov = np.polyfit(x, y, 1, cov="unscaled")
+    r = y - np.polyval(coef, x)
+    slope, se = residual_trend(steps, noisy)
+    assert slope == pytest.approx(coef[0], rel=1e-9)
+    assert se == pytest.approx(math.sqrt(cov[0, 0] * (r @ r) / (len(x) - 2)), rel=1e-9)
 
 
 def test_phrase_stops_names_the_condition_that_rejected_better_candidates():
@@ -53,3 +63,8 @@ def test_phrase_stops_at_a_cap_reports_the_trend_and_the_steps_it_would_take():
     flat = [_h(s, 0.8) for s in steps]
     assert phrase_stops(flat, 1000, {"a": 0.8}, 0.2, "iteration_cap", 0.2)["a"] == (
         "iteration_cap: no longer falling; no constraint binds")
+    # a plateau that wanders (±6 % between evaluations, a small dip at the end): its fitted slope over the last 30
+    # evaluations is negative, but within the scatter — not "still falling"
+    wander = [_h(s, 0.6 * math.exp(0.06 * math.sin(2.3 * s) - 0.00005 * s)) for s in steps]
+    out = phrase_stops(wander, 1000, {"a": 0.57}, 0.2, "iteration_cap", 0.2)["a"]
+    assert out.startswith("iteration_cap: no longer falling (") and "over the last 30 evaluations" in out, out
