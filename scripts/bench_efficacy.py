@@ -285,14 +285,14 @@ def blind_set(spec: ModelSpec, out: Path, ledger, opts: BenchOptions) -> tuple[l
     """The blind set of a model: `BLIND_CHATS` fresh chats of its own from prompts of no set (`spec.blind_prompts`),
     as `l47 demo` makes them (each new by content to the ledger, each holding a slop event; the audit refuses a
     written blind chat). Returns (dump paths, how they were made)."""
-    from l47.app.demo import fresh_blind_chats
+    from l47.app.demo import BlindSource, fresh_blind_chats
     from l47.dumps.select import phrases_to_tuples
     from l47.model.vocab import vocab_for_model
 
     n = opts.caps.get("blind", BLIND_CHATS)
     pts, _ = phrases_to_tuples(list(spec.phrases), vocab_for_model(spec.model))
-    paths, how = fresh_blind_chats(spec.model, out, ledger, pts, 1000, n=n, prompts_file=spec.data / spec.blind_prompts,
-                                   device=opts.device, tries=BLIND_TRIES)
+    paths, how = fresh_blind_chats(spec.model, out, ledger, pts, 1000, n=n,
+                                   source=BlindSource(spec.data / spec.blind_prompts, opts.device, BLIND_TRIES))
     return paths, (f"{len(paths)} fresh chats of the model's own from {spec.blind_prompts} "
                    f"({len(how['skipped'])} seeds skipped)")
 

@@ -117,15 +117,24 @@ BLIND_CHATS = 8  # fresh blind chats per sign-off (the blind set; k runs on over
 # 0.008–0.014-nat tie (" It" vs <|im_end|>) with either FTPO rule: ~29 % of eight-chat sets fail on (f) by the draw
 
 
+@dataclass(frozen=True)
+class BlindSource:
+    """Where fresh blind chats come from: the held-back prompts, the device that generates them, and how many
+    seeds in a row may give a chat without a slop event before the blind set is given up."""
+
+    prompts: Path = DATA / BLIND_PROMPTS
+    device: str = "cpu"
+    tries: int = BLIND_TRIES
+
+
 def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=None,
-                     k0: int | None = None, prompts_file: Path | None = None,
-                     device: str = "cpu", tries: int = BLIND_TRIES) -> tuple[Path, dict]:
+                     k0: int | None = None, source: BlindSource = BlindSource()) -> tuple[Path, dict]:
     """A blind chat nobody has scored: the model's own generation from a held-back prompt, with a seed it has
     not used — the k-th blind document of this base model (k = "blind-started" entries in its ledger, or `k0`)
     uses prompt k mod N and seed `seed` + k. Seeds are skipped (k + 1, ...) while the generation is already in the
-    ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; `tries`
-    such misses in a row at most); only the tokens are looked at, nothing is scored. `prompts_file`: the held-back
-    prompts (default: the demo's). Returns (dump path, how it was chosen)."""
+    ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; `source.tries`
+    such misses in a row at most); only the tokens are looked at, nothing is scored. Returns (dump path, how it was
+    chosen)."""
     from l47.app.dump_view import dump_and_print
     from l47.app.dumping import DumpJob, GenerateOptions
     from l47.data.ledger import EV_BLIND_STARTED
@@ -134,17 +143,18 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
     from l47.errors import L47Error
     from l47.fileio import write_text_atomic
 
-    prompts = [ln for ln in (prompts_file or DATA / BLIND_PROMPTS).read_text().splitlines() if ln.strip()]
+    prompts = [ln for ln in source.prompts.read_text().splitlines() if ln.strip()]
     k0 = ledger.count(EV_BLIND_STARTED) if k0 is None else k0
     skipped, k, misses = [], k0, 0
-    while misses < tries:  # misses in a row: a seed whose chat is in the ledger (an earlier run used it;
+    while misses < source.tries:  # misses in a row: a seed whose chat is in the ledger (an earlier run used it;
         # the ledger's count lags the seeds a blind set skipped, so a rerun walks those again) resets the count
         rec = json.loads(prompts[k % len(prompts)])
         rec["id"] = f"{rec['id']}-seed{seed + k}"
         src = write_text_atomic(out / "inputs" / f"blind-{k}.jsonl", json.dumps(rec) + "\n")
         gen = GenerateOptions(max_new_tokens=CHAT_TOKENS, seed=seed + k, temperature=0.7, top_p=0.9, top_k=40,
                               think=True)
-        s = dump_and_print(DumpJob(model, src, out / "dumps" / "blind" / str(k), generate=gen, device=device), console)
+        s = dump_and_print(DumpJob(model, src, out / "dumps" / "blind" / str(k), generate=gen, device=source.device),
+                           console)
         path = next(Path(r.path) for r in s.results if r.path)
         d = read_dump(path)
         if ledger.scored(d.sha256):
@@ -156,13 +166,12 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
         else:
             return path, {"prompt": rec["id"], "seed": seed + k, "k": k, "skipped": skipped}
         k += 1
-    raise L47Error(out / "dumps" / "blind", "blind chat", f"a generation with a slop event in {tries} fresh "
+    raise L47Error(out / "dumps" / "blind", "blind chat", f"a generation with a slop event in {source.tries} fresh "
                    "seeds in a row", "; ".join(skipped))
 
 
 def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = BLIND_CHATS,
-                      console=None, prompts_file: Path | None = None,
-                      device: str = "cpu", tries: int = BLIND_TRIES) -> tuple[list[Path], dict]:
+                      console=None, source: BlindSource = BlindSource()) -> tuple[list[Path], dict]:
     """The blind set: `n` fresh blind chats (fresh_blind_chat), k running on from the ledger's "blind-started"
     count so every chat has its own prompt (k mod N) and seed. Returns (dump paths, {"chats": [how each was
     chosen], "skipped": [...]})."""
@@ -171,8 +180,7 @@ def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = B
     k = ledger.count(EV_BLIND_STARTED)
     paths, chats, skipped = [], [], []
     for _ in range(n):
-        path, how = fresh_blind_chat(model, out, ledger, pts, seed, console, k0=k, prompts_file=prompts_file,
-                                     device=device, tries=tries)
+        path, how = fresh_blind_chat(model, out, ledger, pts, seed, console, k0=k, source=source)
         paths.append(path)
         chats.append({"prompt": how["prompt"], "seed": how["seed"], "k": how["k"], "doc": str(path)})
         skipped += how["skipped"]
