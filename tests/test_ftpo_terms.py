@@ -179,3 +179,43 @@ def test_loss_is_the_weighted_sum_of_the_terms(world):
     assert float(loss) == pytest.approx(ref, rel=1e-5)
     for k in ("pref", "kl_step", "cond_kl", "coll", "special", "flip"):
         assert parts[k] == pytest.approx(_cost(world, k), rel=1e-5, abs=1e-9)
+
+
+def test_pull_balance_matches_finite_differences(world):
+    """pull_balance: each term's share of phrase "a"'s pull, −⟨∇ term, ∇ pull⟩ / ‖∇ pull‖², against the term's
+    central finite difference along the pull's gradient g: share ≈ −(c(ΔW + εg) − c(ΔW − εg)) / (2ε‖g‖²). ε moves
+    ΔW by 1e-3 of its size: the f32 forward resolves the difference to ~1e-3 of it (tolerance 3 % of the share
+    plus 2e-3 absolute, for the kinks of the relu terms and f32 rounding)."""
+    from l47.solvers.ftpo.objective import pull_balance
+
+    obj, dW, rows, pb = world["obj"], world["dW"], world["rows"], world["pb"]
+    mask = torch.as_tensor([float(p == "a") for p in pb.phrase])
+    shares = pull_balance(obj, lambda p: p, dW, rows, mask)
+    assert set(shares) >= {"kl_step", "cond_kl", "coll", "ridge"}, shares
+
+    def weighted(name: str, d: torch.Tensor, events_on: torch.Tensor | None = None) -> float:
+        on = obj.event_on
+        if events_on is not None:
+            obj.event_on = events_on
+        try:
+            return float(obj.terms[name].weighted(obj.terms[name].cost(Step(obj, d, rows))).double())
+        finally:
+            obj.event_on = on
+
+    p = dW.clone().requires_grad_(True)
+    with torch.enable_grad():
+        on = obj.event_on
+        obj.event_on = mask
+        pull = obj.terms["pref"].weighted(obj.terms["pref"].cost(Step(obj, p, rows)))
+        obj.event_on = on
+        g = torch.autograd.grad(pull, p)[0]
+    gg = float(g.double().pow(2).sum())
+    eps = 1e-3 * float(dW.norm()) / math.sqrt(gg)
+    # the pull along its own gradient: its directional derivative is ‖g‖² (share −1)
+    d_pull = (weighted("pref", dW + eps * g, mask) - weighted("pref", dW - eps * g, mask)) / (2 * eps)
+    assert d_pull == pytest.approx(gg, rel=0.03)
+    for name, share in shares.items():
+        fd = -(weighted(name, dW + eps * g) - weighted(name, dW - eps * g)) / (2 * eps * gg)
+        assert share == pytest.approx(fd, rel=0.03, abs=2e-3), (name, share, fd)
+    # and the shares are not all zero: the terms do pull against the phrase at a random ΔW
+    assert max(abs(v) for v in shares.values()) > 1e-2, shares

@@ -690,3 +690,26 @@ def test_ftpo_turn_end_runner_up_drift_against_full_logits(setup):
     want, drift = ref(dW)
     assert min(drift) < -1e-3 and max(drift) > 1e-3  # both signs present: the hinge is exercised
     assert obj(dW, rows, 1.0)[1]["coll"] == pytest.approx(want, rel=1e-4)
+
+
+def test_ftpo_names_the_soft_term_that_holds_a_phrase_at_the_cap(setup):
+    """A ridge on ‖ΔW‖² too stiff for the target (λ_ridge 300; at 30 the same solve converges): the trainer stops
+    at its step cap with both phrases short (≈ 0.65 against 0.5) and no constraint binding, and the record says
+    what holds them — the ridge, whose gradient cancels more than half of each phrase's pull at the kept candidate
+    (pull_balance; its shares are checked against finite differences in tests/test_ftpo_terms.py). The special-mass
+    guard is set loose (special_tol 1): at the default 1e-6 its relu, switching on and off at the kept candidate,
+    reads 20–45× the pull there and is named first."""
+    from l47.solvers.ftpo import FtpoProblem
+
+    w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
+    pb = FtpoProblem(events=ev, terms=terms, phrase=["a" if i % 2 else "b" for i in range(ev.P)], background=bg,
+                     target_residual=0.5, kl_budget=0.3, anchors=an, anchor_group=["w"] * an.P,
+                     anchor_tol=[0.05] * an.P, special_tol=1.0)
+    res = train_ftpo(w, pb, FtpoConfig(steps=300, lr=0.3, key_rank=10, eval_every=10, lambda_ridge=300.0))
+    assert res.stopped == "iteration_cap"
+    assert set(res.pull_balance) == {"a", "b"}
+    for ph in ("a", "b"):
+        shares = res.pull_balance[ph]
+        assert max(shares, key=shares.get) == "ridge" and shares["ridge"] > 0.5, shares
+        assert "no constraint binds; held by the ridge (cancels" in res.phrase_stops[ph], res.phrase_stops[ph]
+    assert res.summary()["pull_balance"] == res.pull_balance

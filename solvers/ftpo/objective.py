@@ -397,6 +397,46 @@ class _Objective:
         return st.dW.pow(2).sum()
 
 
+# what each term of the loss is, in words (the record's pull balance names the terms so)
+TERM_MEANING = {"kl_step": "the background KL penalty", "special": "the special-mass guard",
+                "cond_kl": "the near-miss tether", "coll": "the soft anchors", "flip": "the near-tie guard",
+                "ridge": "the ridge"}
+
+
+def pull_balance(obj: _Objective, dW_of, param: torch.Tensor, rows: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, float]:
+    """term -> the share of one phrase's pull that the term's gradient cancels at `param`: −⟨∇ term, ∇ pull⟩ /
+    ‖∇ pull‖², where the pull is the phrase's part of the target hinge (the `pref` term with only its events on:
+    `mask` [E] 0/1; every event of a phrase short of its target pulls) and each term enters weighted as in the loss (λ as the trainer left it), at the background rows
+    `rows`. A share > 0 opposes the pull; where the phrase stands still with no constraint binding the shares
+    sum to about 1 (plain gradients, not Adam's scaled step: a diagnosis, not the step). {} when the phrase
+    pulls no more (its pull's gradient is 0)."""
+    p = param.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        st = Step(obj, dW_of(p), rows)
+        on = obj.event_on
+        obj.event_on = mask
+        try:
+            pull = obj.terms["pref"].weighted(obj.terms["pref"].cost(st))
+        finally:
+            obj.event_on = on
+        g = torch.autograd.grad(pull, p, retain_graph=True)[0].double()
+        gg = float((g * g).sum())
+        if gg <= 0:
+            return {}
+        out = {}
+        for k in obj.SUM_ORDER:
+            if k == "pref":
+                continue
+            c = obj.terms[k].weighted(obj.terms[k].cost(st))
+            if not c.requires_grad:
+                continue
+            gk = torch.autograd.grad(c, p, retain_graph=True, allow_unused=True)[0]
+            if gk is not None:
+                out[k] = -float((gk.double() * g).sum()) / gg
+    return out
+
+
 @dataclass
 class Term:
     """One term of FTPO's loss: its name (the step's parts), weight λ (None: enters as it is; the trainer raises

@@ -17,7 +17,7 @@ from l47.solvers.ftpo.basis import _parameterise
 from l47.solvers.ftpo.config import OBJECTIVES, FtpoConfig, FtpoProblem
 from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_ENDS, BIND_FLIPS, BIND_KL, _Judge, at_target_residuals,
                                     next_multiplier, pulling)
-from l47.solvers.ftpo.objective import _Objective, _Rotation
+from l47.solvers.ftpo.objective import TERM_MEANING, _Objective, _Rotation, pull_balance
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,13 @@ class FtpoResult:
     notes: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)  # what the parameterisation kept off (gap directions)
     phrase_stops: dict = field(default_factory=dict)  # phrase -> why it stands where it stopped (`phrase_stops`)
+    pull_balance: dict = field(default_factory=dict)  # short phrase -> term -> share of its pull cancelled
 
     def summary(self) -> dict:
         return {"best_step": self.best_step, "stopped": self.stopped, "kl_exact": self.kl_exact,
                 "dev_residual": self.dev_residual, "train_residual": self.train_residual, "history": self.history,
-                "notes": self.notes, "info": self.info, "phrase_stops": self.phrase_stops}
+                "notes": self.notes, "info": self.info, "phrase_stops": self.phrase_stops,
+                **({"pull_balance": self.pull_balance} if self.pull_balance else {})}
 
     def convergence(self, target: float) -> rec.Convergence:
         """Max violation: nats by which the worst phrase's at-target residual (at_target_residuals: the larger of
@@ -127,8 +129,23 @@ class _Trainer:
                 break
             self.control(info)
             self.optimise()
-        res = _result(self.judge, self.history, self.stopped, self.step, self.pb, self.w)
+        res = _result(self.judge, self.history, self.stopped, self.step, self.pb, self.w, self.balance())
         return dataclasses.replace(res, info=self.pnotes + self.obj.notes + self.restarts)
+
+    def balance(self) -> dict[str, dict[str, float]]:
+        """phrase -> pull_balance at the kept candidate, for every phrase short of its target there ({} when the
+        solve converged or kept nothing): what stands against each short phrase when no constraint binds."""
+        best = self.judge.best
+        kept = self.param.detach() if best is not None and best[1] == self.step else self.kept  # judged last
+        if best is None or self.stopped == rec.STOP_CONVERGED or kept is None or self.cfg.objective != "target":
+            return {}
+        at = at_target_residuals(best[5], best[4])
+        rows = _Rotation(self.pb.background.P, self.cfg.background_batch, self.cfg.seed + 3, self.w.device)()
+        out = {}
+        for ph in sorted(p for p, v in at.items() if v > self.pb.target_residual):
+            mask = torch.as_tensor([float(x == ph) for x in self.pb.phrase], device=self.w.device)
+            out[ph] = pull_balance(self.obj, self.dW_of, kept, rows, mask)
+        return out
 
     def evaluate(self) -> tuple[dict, bool]:
         """The candidate judged exactly and recorded: (its figures, whether every phrase is at its target)."""
@@ -210,12 +227,13 @@ def residual_trend(steps: list[int], res: list[float]) -> tuple[float, float]:
 
 
 def phrase_stops(history: list[dict], best_step: int, best_res: dict[str, float], target: float, stopped: str,
-                 kl_used: float, near: float = 0.8) -> dict[str, str]:
+                 kl_used: float, near: float = 0.8, balance: dict[str, dict[str, float]] | None = None) -> dict[str, str]:
     """phrase -> why it stands where the kept candidate left it: `target met`; else the judge's condition that
     rejected the later candidates which had removed more of it (the most frequent; BIND_*), else the KL budget when
     the kept candidate used ≥ `near` of it, else the stop (step cap / time budget) with the residual's trend over
     the last evaluations and, when it still falls, the steps it would take at that rate. history: the judge's
-    evaluations (with train/dev residuals and `inadmissible`), in order."""
+    evaluations (with train/dev residuals and `inadmissible`), in order. `balance` (pull_balance per phrase):
+    where no constraint binds, the soft terms that stand against the phrase, named with their shares."""
     evals = [h for h in history if "train_residual" in h]
     out = {}
     for ph, r_best in best_res.items():
@@ -244,21 +262,34 @@ def phrase_stops(history: list[dict], best_step: int, best_res: dict[str, float]
                        f"{more:.0f} more steps to the target at that rate); no constraint binds")
         elif se > 0:
             out[ph] = (f"{stopped}: no longer falling ({math.expm1(100 * slope):+.1%} ± "
-                       f"{100 * TREND_Z * se:.1f}% per 100 steps over the last {min(len(xs), TREND_EVALS)} "
+                       f"{math.expm1(100 * TREND_Z * se):.1%} per 100 steps over the last {min(len(xs), TREND_EVALS)} "
                        "evaluations); no constraint binds")
         else:
             out[ph] = f"{stopped}: no longer falling; no constraint binds"
+        out[ph] += held_by((balance or {}).get(ph, {}))
     return out
 
 
-def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: FtpoProblem, w: TailWeights):
+def held_by(shares: dict[str, float], least: float = 0.1) -> str:
+    """'; held by X (cancels a% of its pull), Y (b%)' over the terms whose share is ≥ `least`, largest first; ''
+    when none."""
+    top = sorted(((v, k) for k, v in shares.items() if v >= least), reverse=True)
+    if not top:
+        return ""
+    return "; held by " + ", ".join(f"{TERM_MEANING.get(k, k)} ({v:.0%})" if i else
+                                    f"{TERM_MEANING.get(k, k)} (cancels {v:.0%} of its pull)"
+                                    for i, (v, k) in enumerate(top))
+
+
+def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: FtpoProblem, w: TailWeights,
+            balance: dict[str, dict[str, float]] | None = None):
     t = pb.target_residual
     if judge.best is None:
         return FtpoResult(torch.zeros(w.n, w.f, device=w.device), 0, history, rec.STOP_BUDGET, 0.0, {}, {},
                           ["convergence: no candidate within the KL budget; ΔW = 0"])
     _, bstep, bdW, bkl, bdv, btr = judge.best
     at = at_target_residuals(btr, bdv)
-    stops = phrase_stops(history, bstep, at, t, stopped, bkl / pb.kl_budget)
+    stops = phrase_stops(history, bstep, at, t, stopped, bkl / pb.kl_budget, balance=balance)
     notes = []
     if stopped != rec.STOP_CONVERGED:
         short = {p: round(v, 4) for p, v in at.items() if v > t}
@@ -266,4 +297,5 @@ def _result(judge: _Judge, history: list[dict], stopped: str, step: int, pb: Ftp
                      f"(exact KL {bkl:.3g} ≤ budget {pb.kl_budget:.3g}); phrases short of the target residual {t:g} "
                      f"(residual at the stop): {short or 'none'}")
         notes += [f"convergence: {p!r} at {at[p]:.3g}: {stops[p]}" for p in short]
-    return FtpoResult(bdW, bstep, history, stopped, bkl, bdv, btr, notes, phrase_stops=stops)
+    return FtpoResult(bdW, bstep, history, stopped, bkl, bdv, btr, notes, phrase_stops=stops,
+                      pull_balance=balance or {})
