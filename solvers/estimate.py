@@ -11,7 +11,6 @@ machine and device, with the functions the solvers call, on `probe_rows` random 
     kl      streamed_kl without gradient, per (base, edited) pair (the judge's exact KL; WFLD's KL check)
     stats   head_stats (lse, top-k, entropy: the judge's events, the objective's base quantities)
     tail    batch_mix forward + backward through ΔW, per row (no vocabulary)
-    eig     torch.linalg.eigh of an [n, n] f64 matrix (WFLD's metric; measured at ≤ 512 and scaled by n³)
 
 The costs are linear in V at a fixed row count (the head is streamed in fixed chunks): a pass over V entries
 costs unit × rows × V. The count (`SolveShape`, from the posed problem) is the solver's own:
@@ -24,8 +23,10 @@ anchors, p = plausible turn ends (at most anchor_batch; counted in full, an uppe
     judge     [kl·V·(B + R) + stats·V·(E + D + T)] / eval_every   every eval_every steps, exact, amortised
   (B background rows, R dev rows, D dev events, T turn ends); once: mu·V·B + stats·V·(B + E + N + D + R + A).
   Steps: the configured cap (`steps`) — an UPPER bound (a solve that converges stops earlier).
-WFLD: once the Fisher (mu·V·B, top-K from the same pass) and its eigenbases (eig); per Gauss–Newton step the
-  exact constraints (stats·V·E) and the exact KL of the trial, float and as shipped (2·kl·V·B); steps: the
+WFLD: once the Fisher (its μ and top-K pass and the tail samples' μ pass, 2·mu·V·B, their two sampling passes,
+  2·lse·V·B, and K + S backward passes of the tail, tail·(K + S)·B); its eigenbases ([n, n] and [f', f'] eigh) are
+  left out (seconds; timed on this shared CPU they swung 10× between calls); per Gauss–Newton step the exact
+  constraints (stats·V·E) and the exact KL of the trial, float and as shipped (2·kl·V·B); steps: the
   configured cap gn_iters (a rejected trial re-solves: more passes; a converged solve stops earlier).
 
 Pure: no printing (the app renders `Estimate`).
@@ -44,19 +45,17 @@ from l47.tail.forward import head_stats, streamed_kl, streamed_lse
 
 PROBE_ROWS = 256  # mixer rows of each timed pass (the step's background batch is 512)
 PROBE_VOCAB = 16384  # head rows of each timed pass (two default chunks)
-EIG_PROBE = 512  # eigh measured at this size at most, scaled by (n / size)³
 
 
 @dataclass(frozen=True)
 class UnitCosts:
-    """Seconds per row per vocabulary entry of each pass (tail: per row; eig: per [n, n] decomposition)."""
+    """Seconds per row per vocabulary entry of each pass (tail: per row)."""
 
     lse: float
     mu: float
     kl: float
     stats: float
     tail: float
-    eig: float
     device: str
     threads: int
     precision: str  # the head precision the passes ran in
@@ -165,11 +164,8 @@ def measure_units(w: TailWeights, rows: int = PROBE_ROWS, vocab: int = PROBE_VOC
     with torch.no_grad():
         t_kl = _best(lambda: streamed_kl(mix1, mix0, pw), dev, reps)
         t_stats = _best(lambda: head_stats(mix0, pw, tg, topk=5), dev, reps)
-    k = min(w.n, EIG_PROBE)
-    a = torch.randn(k, k, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    t_eig = _best(lambda: torch.linalg.eigh(a @ a.T), "cpu", 1) * (w.n / k) ** 3
     return UnitCosts(lse=t_lse / per, mu=t_mu / per, kl=t_kl / per, stats=t_stats / per,
-                     tail=_best(tail, dev, reps) / rows, eig=t_eig,
+                     tail=_best(tail, dev, reps) / rows,
                      device=str(dev) if not str(dev).startswith("cuda") else torch.cuda.get_device_name(dev),
                      threads=torch.get_num_threads(), precision=pw.numerics.used or pw.numerics.precision,
                      probe_rows=rows, probe_vocab=Vp)
@@ -205,7 +201,8 @@ def estimate_wfld(s: SolveShape, cfg, u: UnitCosts) -> Estimate:
     V = s.V
     per = {"constraints": u.tail * s.events + u.stats * V * s.events, "kl": 2 * (u.tail * s.background
                                                                               + u.kl * V * s.background)}
-    setup = u.tail * s.background + u.mu * V * s.background + 2 * u.eig
+    K = cfg.fisher_topk + (cfg.fisher_tail_samples if cfg.fisher_topk < V else 0)  # backward passes of the tail
+    setup = u.tail * (1 + K) * s.background + 2 * u.mu * V * s.background + 2 * u.lse * V * s.background
     return Estimate("wfld", per, int(cfg.gn_iters), setup, u, True,
                     f"closed form: the Fisher over {s.background:,} background rows once, then at most "
                     f"{cfg.gn_iters} Gauss–Newton steps (a rejected trial re-solves: more passes)")

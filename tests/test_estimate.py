@@ -48,7 +48,8 @@ def test_pipeline_stage_times_sum_within_the_total(tiny_run):
     assert r["method"] == DEFAULT_METHOD == "ftpo"
     assert r["steps"] == dict(bp.TINY.ftpo)["steps"] and r["stop_reason"] in rec.STOP_REASONS
     fs = r["ftpo_step"]
-    assert fs["last_step"] == r["steps"] and 0 < fs["per_step_s"] * fs["last_step"] + fs["setup_s"] <= st["solve"]["wall_s"]
+    assert fs["last_step"] == r["steps"]
+    assert 0 < fs["per_step_s"] * fs["last_step"] + fs["setup_s"] <= st["solve"]["wall_s"]
     assert r["head_precision"]["precision"] == "f32"
     est = r["estimate"]
     assert est["method"] == "ftpo" and est["steps"] == r["steps"]
@@ -88,7 +89,7 @@ def test_every_method_has_an_estimate():
 def test_step_count_is_linear_in_v_and_the_rows():
     """The count itself, with unit costs of 1: doubling V doubles every vocabulary term; the step's background rows
     are min(background_batch, B); the judge is amortised over eval_every."""
-    u = UnitCosts(lse=1.0, mu=1.0, kl=1.0, stats=1.0, tail=0.0, eig=0.0, device="x", threads=1, precision="f32",
+    u = UnitCosts(lse=1.0, mu=1.0, kl=1.0, stats=1.0, tail=0.0, device="x", threads=1, precision="f32",
                   probe_rows=1, probe_vocab=1)
     cfg = FtpoConfig()
     s = SolveShape(V=1000, events=10, background=100, anchors=20, turn_ends=5, near=3, dev_events=4, dev_rows=50)
@@ -111,7 +112,7 @@ def test_estimated_step_within_3x_of_the_trainer():
     by more at these row counts. One re-measure when the first pair disagrees (another process's burst)."""
     torch.manual_seed(0)
     dims = dict(n=256, f=64, r=32, hc=4, V=8192)
-    c = FtpoCounts(events=60, background=1024, anchors=64, near=16, dev_events=20, dev_rows=256)
+    c = FtpoCounts(events=40, background=512, anchors=48, near=16, dev_events=16, dev_rows=128)
     w = synthetic_weights(dims, "cpu")
     pb = synthetic_ftpo_problem(w, c)
     cfg = FtpoConfig()
@@ -120,6 +121,7 @@ def test_estimated_step_within_3x_of_the_trainer():
     for _ in range(2):
         est = estimate_ftpo(shape, cfg, measure_units(w)).step_s
         got = ftpo_trainer_step(w, pb, cfg, 20)["per_step_s"]
+        print(f"estimated {est:.3f} s/step, trainer {got:.3f} s/step")
         if got / 3 <= est <= 3 * got:
             break
     assert got / 3 <= est <= 3 * got, (est, got)

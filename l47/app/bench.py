@@ -199,9 +199,9 @@ def _now(dev: str) -> float:
 def ftpo_step_parts(w, pb, cfg, steps: int = 3) -> dict:
     """Seconds of each part of `steps` FTPO steps (the trainer's _Objective, Step and _Judge at λ = lambda_kl):
     forward (the events' forward and every term but the background rows' pass), kl (the step's background rows:
-    tail and one vocabulary pass), backward, judge (one exact evaluation; per step: ÷ eval_every); each part the best of the steps (as `timed`:
-    another process's load only adds; the first step also warms up), and the setup (parameterisation, base
-    quantities)."""
+    tail and one vocabulary pass), backward, judge (one exact evaluation; per step: ÷ eval_every); each part the
+    best of the steps (as `timed`: another process's load only adds; the first step also warms up), and the setup
+    (parameterisation, base quantities)."""
     from l47.solvers.ftpo import _Judge, _Objective
     from l47.solvers.ftpo.basis import _parameterise
     from l47.solvers.ftpo.objective import Step, _Rotation

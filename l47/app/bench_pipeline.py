@@ -605,7 +605,8 @@ def print_pipeline(r: dict, console) -> None:
     from rich.table import Table
 
     w = r["world"]
-    console.print(f"[bold]pipeline[/] ({r['size']}, {r['method']}) on {r['device']} ({r['threads']} threads), dims {r['dims']}: "
+    console.print(f"[bold]pipeline[/] ({r['size']}, {r['method']}) on {r['device']} ({r['threads']} threads), "
+                  f"dims {r['dims']}: "
                   f"{w['docs']} documents, {w['positions']:,} positions, {r['refused_docs']} refused; events "
                   f"{r['events']}; world setup {w['setup_s']['total']:.0f} s"
                   f"{' (reused)' if r['world_reused'] else ''}", highlight=False)
