@@ -106,7 +106,7 @@ def test_step_count_is_linear_in_v_and_the_rows():
 
 def test_estimated_step_within_3x_of_the_trainer():
     """The estimator's seconds per step (unit passes measured here, counted for the problem) against the real
-    trainer's measured step (train_ftpo, 20 steps, the judge amortised, from its progress reports) on the same
+    trainer's measured step (train_ftpo, 10 steps, one judgement amortised, from its progress reports) on the same
     synthetic problem at small dims. Within 3× either way: a timing on a shared 2-core machine, and the count leaves
     out the step's fixed overhead; a count that missed a pass over the background rows or the judge would be off
     by more at these row counts. One re-measure when the first pair disagrees (another process's burst)."""
@@ -120,7 +120,7 @@ def test_estimated_step_within_3x_of_the_trainer():
                        near=c.near, dev_events=c.dev_events, dev_rows=c.dev_rows)
     for _ in range(2):
         est = estimate_ftpo(shape, cfg, measure_units(w)).step_s
-        got = ftpo_trainer_step(w, pb, cfg, 20)["per_step_s"]
+        got = ftpo_trainer_step(w, pb, cfg, 10)["per_step_s"]
         print(f"estimated {est:.3f} s/step, trainer {got:.3f} s/step")
         if got / 3 <= est <= 3 * got:
             break

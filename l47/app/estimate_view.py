@@ -19,9 +19,10 @@ def estimate_lines(est) -> list[str]:
     """The headline (total, machine, precision, why it is an upper bound) and the per-step parts."""
     u = est.units
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in est.per_step.items())
+    bound = "; the step cap: an upper bound on the steps" if est.upper_bound else ""
     return [f"estimated solve time on this machine ({u.device}, {u.threads} threads, head {u.precision}): "
-            f"≤ {human(est.total_s)} ({est.method}: {human(est.setup_s)} setup + {est.steps} steps × "
-            f"{est.step_s:.3g} s; an upper bound)",
+            f"≈ {human(est.total_s)} ({est.method}: {human(est.setup_s)} setup + up to {est.steps} steps × "
+            f"{est.step_s:.3g} s{bound})",
             f"  per step: {parts}; {est.note}; measured on {u.probe_rows} rows × {u.probe_vocab:,} head rows, "
             f"linear in V"]
 
