@@ -255,12 +255,15 @@ def bench_ftpo(dims: dict, device: str, counts=None, steps: int = 3, trainer_ste
     """FTPO's step at `dims` on synthetic weights (bench_common.synthetic_ftpo_problem): the parts measured
     (ftpo_step_parts), the estimator's parts for the same problem and machine, and with trainer_steps > 0 the
     real trainer's per-step time."""
+    import dataclasses
+
+    from l47.model.weights import Numerics
     from l47.solvers.estimate import SolveShape, estimate_ftpo, measure_units
     from l47.solvers.ftpo import FtpoConfig
 
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
-    w = synthetic_weights(dims, device)
+    w = dataclasses.replace(synthetic_weights(dims, device), numerics=Numerics(precision="auto"))  # as `l47 solve`
     c = counts or FtpoCounts()
     pb = synthetic_ftpo_problem(w, c)
     cfg = FtpoConfig()

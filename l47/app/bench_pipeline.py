@@ -578,8 +578,8 @@ def _figures(size, device, method, world, reused: bool, stages, res) -> dict:
     """The benchmark's figures from the stages' results (`res`: stage -> result, "progress", "error")."""
     from l47.app.estimate_view import estimate_dict
 
-    report, claims, audit, planned = res.get("sets"), res.get("solve"), res.get("audit"), res.get("plan")
-    conv = None if claims is None else claims.claims.convergence
+    report, solved, audit, planned = res.get("sets"), res.get("solve"), res.get("audit"), res.get("plan")
+    conv = None if solved is None else solved.claims.convergence
     return {
         "size": size.name, "dims": asdict(size.dims), "method": method,
         "device": (torch.cuda.get_device_name() if device.startswith("cuda") else device),
@@ -593,8 +593,8 @@ def _figures(size, device, method, world, reused: bool, stages, res) -> dict:
         "estimate": None if planned is None else estimate_dict(planned[2]),
         "steps": None if conv is None else conv.iterations, "stop_reason": None if conv is None else conv.stop_reason,
         "ftpo_step": _ftpo_steps(res["progress"]),
-        "head_precision": None if claims is None else claims.record.numerics,
-        "solve": None if claims is None else _claims_summary(claims), "load_average": os.getloadavg(),
+        "head_precision": None if solved is None else solved.record.numerics,
+        "solve": None if solved is None else _claims_summary(solved), "load_average": os.getloadavg(),
         "audit_passed": None if audit is None else bool(audit.passed),
         "audit_failed_bars": None if audit is None else [b.name for b in audit.bars if not b.passed],
         "error": res["error"],

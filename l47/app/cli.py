@@ -243,7 +243,7 @@ def bench(
     T: int = typer.Option(1024, "-T", help="positions per pass"),
     device: str = typer.Option("cpu"),
     reps: int = typer.Option(2),
-    what: str = typer.Option("forward", help="forward | wfld | all | ftpo (a few steps, by part) | pipeline "
+    what: str = typer.Option("forward", help="forward | wfld | all | ftpo (reps + 1 steps, by part) | pipeline "
                              "(sets -> plan -> solve -> audit)"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     work: Optional[Path] = typer.Option(None, help="pipeline: folder for the synthetic model and dumps (reused)"),
