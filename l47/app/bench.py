@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict as dataclasses_asdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from l47.app.bench_common import REAL, SMALL, peak, reset_peak, sync, synthetic_weights, timed
+from l47.app.bench_common import (REAL, SMALL, FtpoCounts, peak, reset_peak, sync, synthetic_batch,
+                                  synthetic_ftpo_problem, synthetic_weights, timed)
 from l47.app.bench_fused import SWEEP, bench_head_cuda, sweep_errors, sweep_split
-from l47.app.bench_pipeline import bench_pipeline, print_pipeline
+from l47.app.bench_pipeline import SIZES, bench_pipeline, print_pipeline
 from l47.fileio import write_text_atomic
-from l47.solvers.batch import Batch, EventTerms, batch_mix
+from l47.solvers.batch import EventTerms, batch_mix
 from l47.solvers.wfld import WfldConfig, solve_wfld
 from l47.tail import fused, stream
 from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
@@ -41,11 +43,29 @@ class BenchArgs:
     json_out: Path | None = None
     chunk: int | None = None
     work: Path | None = None  # --what pipeline: folder for the synthetic model and dumps (kept, reused)
+    method: str | None = None  # --what pipeline: the solve method (None: the toolkit's default)
+    dims: str | None = None  # full | reduced | tiny (pipeline: bench_pipeline.SIZES; else REAL / SMALL) | n,f,r,hc,V
+    # (forward, wfld, ftpo); None: from `real`
+
+
+def _dims(args: BenchArgs) -> dict:
+    """The tail dims of a forward / WFLD / FTPO bench: --dims full | reduced | tiny | n,f,r,hc,V, else --real."""
+    if args.dims is None:
+        return REAL if args.real else SMALL
+    if args.dims in SIZES:
+        return REAL if args.dims == "full" else SMALL
+    try:
+        n, f, r, hc, V = (int(x) for x in args.dims.split(","))
+    except ValueError:
+        from l47.errors import L47Error
+
+        raise L47Error("l47 bench", "--dims", "full, reduced, tiny or n,f,r,hc,V (five integers)", repr(args.dims))
+    return dict(n=n, f=f, r=r, hc=hc, V=V)
 
 
 
 def bench_forward(args: BenchArgs) -> dict:
-    dims = REAL if args.real else SMALL
+    dims = _dims(args)
     dev = args.device
     if dev.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -112,9 +132,18 @@ def run_bench(args: BenchArgs, console) -> dict:
     if args.what in ("wfld", "all"):
         out["wfld"] = bench_wfld(args, console)
     if args.what == "pipeline":
-        out["pipeline"] = r = bench_pipeline(args.real, args.device, args.work,
-                                             log=lambda m: console.print(m, highlight=False))
+        size = args.dims or ("full" if args.real else "reduced")
+        if size not in SIZES:
+            from l47.errors import L47Error
+
+            raise L47Error("l47 bench --what pipeline", "--dims", f"one of {tuple(SIZES)}", repr(size))
+        out["pipeline"] = r = bench_pipeline(SIZES[size], args.device,
+                                             args.work, log=lambda m: console.print(m, highlight=False),
+                                             method=args.method)
         print_pipeline(r, console)
+    if args.what == "ftpo":
+        out["ftpo"] = r = bench_ftpo(_dims(args), args.device, steps=args.reps + 1)
+        print_ftpo(r, console)
     if args.json_out:
         write_text_atomic(args.json_out, json.dumps(out, indent=2))
     if (out.get("pipeline") or {}).get("error"):
@@ -128,20 +157,8 @@ def run_bench(args: BenchArgs, console) -> dict:
 # anchors. Wall time and peak memory (CPU: VmHWM; CUDA: max_memory_allocated).
 
 
-def synthetic_batch(w, P: int, seed: int) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    dev = w.device
-
-    def rnd(*s, std=1.0):
-        return (torch.randn(*s, generator=g) * std).to(dev)
-
-    return Batch(R=rnd(P, w.hc, w.n, std=2.0), inj=rnd(P, w.hc, std=6.0), hh=rnd(P, w.f), sgv=rnd(P),
-                 yr=rnd(P, w.n), target=torch.randint(0, w.V, (P,), generator=g).to(dev), doc=("synthetic",) * P,
-                 pos=tuple(range(P)))
-
-
 def bench_wfld(args, console, events: int = 100, background: int = 2000, anchors: int = 200) -> dict:
-    dims = REAL if args.real else SMALL
+    dims = _dims(args)
     dev = args.device
     if dev.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -168,6 +185,119 @@ def bench_wfld(args, console, events: int = 100, background: int = 2000, anchors
                   f"dims {dims}: {dt:.1f} s, peak +{held / 2**30:.2f} GiB above the weights, "
                   f"{len(res.iterations)} GN steps, max violation {res.violation:.2g} nats", highlight=False)
     return out
+
+
+# FTPO: a handful of steps of the trainer's own objective and judge on a synthetic problem, each part timed, beside
+# the solve-time estimator's figures for the same problem on the same machine (solvers/estimate.py).
+
+
+def _now(dev: str) -> float:
+    sync(dev)
+    return time.perf_counter()
+
+
+def ftpo_step_parts(w, pb, cfg, steps: int = 3) -> dict:
+    """Seconds of each part of `steps` FTPO steps (the trainer's _Objective, Step and _Judge at λ = lambda_kl):
+    forward (the events' forward and every term but the background rows' pass), kl (the step's background rows:
+    tail and one vocabulary pass), backward, judge (one exact evaluation; per step: ÷ eval_every); each part the
+    best of the steps (as `timed`: another process's load only adds; the first step also warms up), and the setup
+    (parameterisation, base quantities)."""
+    from l47.solvers.ftpo import _Judge, _Objective
+    from l47.solvers.ftpo.basis import _parameterise
+    from l47.solvers.ftpo.objective import Step, _Rotation
+
+    dev = str(w.device)
+    ph = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
+    group = torch.as_tensor([ph[p] for p in pb.phrase], device=w.device)
+    t0 = _now(dev)
+    param, dW_of, _ = _parameterise(w, pb, cfg, group)
+    obj = _Objective(w, pb, cfg, group)
+    judge = _Judge(w, pb, obj)
+    setup = _now(dev) - t0
+    rot, runs = _Rotation(pb.background.P, cfg.background_batch, cfg.seed, w.device), []
+    obj.terms["kl_step"].weight = cfg.lambda_kl
+    for _ in range(steps):
+        param.grad = None
+        t = [_now(dev)]
+        st = Step(obj, dW_of(param), rot())
+        t.append(_now(dev))
+        st.lse_bg  # noqa: B018 - the background rows' tail and vocabulary pass (cached for the terms)
+        t.append(_now(dev))
+        cost = {k: obj.terms[k].cost(st) for k in obj.EVAL_ORDER}
+        loss = sum(obj.terms[k].weighted(cost[k] if k in cost else obj.terms[k].cost(st)) for k in obj.SUM_ORDER)
+        t.append(_now(dev))
+        loss.backward()
+        t.append(_now(dev))
+        runs.append({"forward": t[1] - t[0] + t[3] - t[2], "kl": t[2] - t[1], "backward": t[4] - t[3]})
+    t0 = _now(dev)
+    judge(steps, dW_of(param.detach()), cfg.lambda_kl)
+    judge_s = _now(dev) - t0
+    per = {k: min(r[k] for r in runs) for k in ("forward", "kl", "backward")}  # best of the steps: load only adds
+    return {"per_step": per | {"judge": judge_s / max(cfg.eval_every, 1)}, "judge_eval_s": judge_s,
+            "setup_s": setup, "steps": steps, "first_step": runs[0]}
+
+
+def ftpo_trainer_step(w, pb, cfg, steps: int) -> dict:
+    """The real trainer (train_ftpo) for `steps` steps: seconds per step from its progress reports (the wall time
+    between its first and last exact evaluations ÷ the steps between them: every part, the judge amortised)."""
+    import dataclasses
+
+    from l47.solvers.ftpo import train_ftpo
+
+    seen: list[dict] = []
+    res = train_ftpo(w, pb, dataclasses.replace(cfg, steps=steps), progress=seen.append)
+    a, b = seen[0], seen[-1]
+    return {"per_step_s": (b["elapsed_s"] - a["elapsed_s"]) / max(b["step"] - a["step"], 1),
+            "evaluations": len(seen), "steps": b["step"], "stopped": res.stopped, "setup_s": a["elapsed_s"]}
+
+
+def bench_ftpo(dims: dict, device: str, counts=None, steps: int = 3, trainer_steps: int = 0) -> dict:
+    """FTPO's step at `dims` on synthetic weights (bench_common.synthetic_ftpo_problem): the parts measured
+    (ftpo_step_parts), the estimator's parts for the same problem and machine, and with trainer_steps > 0 the
+    real trainer's per-step time."""
+    import dataclasses
+
+    from l47.model.weights import Numerics
+    from l47.solvers.estimate import SolveShape, estimate_ftpo, measure_units
+    from l47.solvers.ftpo import FtpoConfig
+
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+    w = dataclasses.replace(synthetic_weights(dims, device), numerics=Numerics(precision="auto"))  # as `l47 solve`
+    c = counts or FtpoCounts()
+    pb = synthetic_ftpo_problem(w, c)
+    cfg = FtpoConfig()
+    base = reset_peak(device)
+    parts = ftpo_step_parts(w, pb, cfg, steps)
+    held = peak(device) - base
+    units = measure_units(w)
+    shape = SolveShape(V=w.V, events=c.events, background=c.background, anchors=c.anchors, turn_ends=c.anchors // 4,
+                       near=c.near, dev_events=c.dev_events, dev_rows=c.dev_rows)
+    est = estimate_ftpo(shape, cfg, units)
+    out = {"device": units.device, "threads": units.threads, "precision": units.precision, "dims": dims,
+           "counts": dataclasses_asdict(c), "measured": parts, "estimate": {"per_step": est.per_step,
+                                                                             "setup_s": est.setup_s},
+           "units": dataclasses_asdict(units), "peak_extra_bytes": held, "head_bytes": w.head.numel() * 4}
+    if trainer_steps:
+        out["trainer"] = ftpo_trainer_step(w, pb, cfg, trainer_steps)
+    return out
+
+
+def print_ftpo(r: dict, console) -> None:
+    m, e = r["measured"]["per_step"], r["estimate"]["per_step"]
+    console.print(f"[bold]FTPO step[/] on {r['device']} ({r['threads']} threads, head {r['precision']}), dims "
+                  f"{r['dims']}, rows {r['counts']}: setup {r['measured']['setup_s']:.1f} s, peak "
+                  f"+{r['peak_extra_bytes'] / 2**30:.2f} GiB above the head ({r['head_bytes'] / 2**30:.2f} GiB)",
+                  highlight=False)
+    for k in ("forward", "kl", "backward", "judge"):
+        console.print(f"  {k:<9} measured {m[k]:8.3f} s/step   estimator {e[k]:8.3f} s/step", highlight=False)
+    console.print(f"  total     measured {sum(m.values()):8.3f} s/step   estimator {sum(e.values()):8.3f} s/step "
+                  f"(judge: one exact evaluation {r['measured']['judge_eval_s']:.2f} s, every eval_every steps)",
+                  highlight=False)
+    if "trainer" in r:
+        t = r["trainer"]
+        console.print(f"  train_ftpo: {t['per_step_s']:.3f} s/step over {t['steps']} steps ({t['evaluations']} "
+                      f"evaluations)", highlight=False)
 
 
 def main(argv=None) -> dict:

@@ -1,5 +1,6 @@
-"""`l47 bench --what pipeline`: the whole workflow — sets -> solve (WFLD) -> audit — on a synthetic model with the
-real tail dims and synthetic dumps of a realistic experiment; wall time and peak memory of every stage.
+"""`l47 bench --what pipeline [--method ftpo|wfld] [--dims full|reduced|tiny]`: the whole workflow — sets -> plan ->
+solve -> audit, with the toolkit's default method unless one is named — on a synthetic model with the real tail
+dims and synthetic dumps of a realistic experiment; wall time and peak memory of every stage.
 
 The world (built once into a work folder, reused when it is already there; its build time is reported apart):
   * model: `l47.testing.synth.write_synth_gguf` at the size's dims (full: n 2560, f 640, r 320, 4 streams,
@@ -19,9 +20,16 @@ The world (built once into a work folder, reused when it is already there; its b
     offset drawn from a bisection-calibrated sample (p(target) ~ U(0.05, 0.9), so CE ~ 1 nat, not ln V).
     Dumps are written unverified (no ref_* arrays: no engine ran), provenance "written".
 
-Timed (each after a fresh peak-memory mark): sets (`build_sets` + the JSON), solve (`run_solve`, WFLD, reusing
-the sets JSON), audit (`run_audit`, no plots). Peak memory: host VmHWM above the stage's start, and on CUDA
-max_memory_allocated above the stage's start. The audit verdict is reported but not the point (synthetic model).
+Timed (each after a fresh peak-memory mark): sets (`build_sets` + the JSON), plan (what `l47 plan` does: the
+feasibility plan and the solve-time estimate for this machine, l47/app/estimate_view.py), solve (`run_solve`,
+reusing the sets JSON), audit (`run_audit`, no plots). Peak memory: host VmHWM above the stage's start, and on
+CUDA max_memory_allocated above the stage's start. FTPO: the step count and stop reason (the record's
+convergence), the trainer's measured seconds per step (from its progress reports, one per exact evaluation) beside
+the plan's estimate by part (forward, KL, backward, judge). Also reported: the head precision the solve used, and
+how many train/dev events have base p ≥ 0.9 (the fit draws p(final) ~ U(0.3, 0.95): about one in thirteen).
+The audit verdict is reported but not the point (synthetic model). Sizes: FULL (the real dims), REDUCED (a small
+smoke run), TINY (a test's: event minima 1, 10 FTPO steps over at most 256 background rows, the
+plan's Fisher on the top 8 and 8 samples).
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ class PipelineSize:
     collateral_min_total: int
     vocab: str = "qwen36"  # "qwen36": the real vocabulary (no tokenizer metadata in the GGUF); "demo": the demo
     # model's 3,072-token BPE (l47/demo_data/tokenizer.json) written into the GGUF, so V can be small (4,096)
+    min_events: int = 0  # > 0: min_train_per_phrase and min_heldout_per_phrase (a world too small for the defaults)
+    ftpo: tuple[tuple[str, int], ...] = ()  # [solver.ftpo] settings of a test's world (none: the solver's defaults)
+    wfld: tuple[tuple[str, int], ...] = ()  # [solver.wfld] settings (the plan's Fisher is WFLD's)
 
 
 FULL = PipelineSize("full", SynthDims(n=2560, f=640, r=320, hc=4, V=248_320, n_layers=48), tokens=1000, pool=120,
@@ -77,6 +88,11 @@ FULL = PipelineSize("full", SynthDims(n=2560, f=640, r=320, hc=4, V=248_320, n_l
 REDUCED = PipelineSize("reduced", SynthDims(n=256, f=128, r=32, hc=4, V=4096, n_layers=4), tokens=250, pool=24,
                        collateral=8, background=4, kld=1, chat_heldout=2, events_per_doc=2, collateral_min_total=20,
                        vocab="demo")
+TINY = PipelineSize("tiny", SynthDims(n=128, f=64, r=16, hc=4, V=4096, n_layers=2), tokens=60, pool=14,
+                    collateral=4, background=2, kld=1, chat_heldout=1, events_per_doc=3, collateral_min_total=4,
+                    vocab="demo", min_events=1, ftpo=(("steps", 10), ("kl_rows", 256)),
+                    wfld=(("fisher_topk", 8), ("fisher_tail_samples", 8)))
+SIZES = {s.name: s for s in (FULL, REDUCED, TINY)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -289,11 +305,25 @@ words = {json.dumps(list(WORDS))}
 
 [thresholds]
 collateral_min_total = {size.collateral_min_total}
-
+{_min_events(size)}
 [solver]
 max_anchors_per_word = 8
-'''
+{_table("solver.ftpo", size.ftpo)}{_table("solver.wfld", size.wfld)}'''
     return write_text_atomic(root / "experiment.toml", text)
+
+
+def _min_events(size: PipelineSize) -> str:
+    """The [thresholds] lines of a world too small for the default event minima (none for the others)."""
+    if not size.min_events:
+        return ""
+    return f"min_train_per_phrase = {size.min_events}\nmin_heldout_per_phrase = {size.min_events}\n"
+
+
+def _table(name: str, pairs: tuple[tuple[str, int], ...]) -> str:
+    """A TOML table of a test's world's settings ("" without any: the solver's defaults)."""
+    if not pairs:
+        return ""
+    return f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in pairs)
 
 
 def _write_model(path: Path, size: PipelineSize, seed: int):
@@ -457,13 +487,61 @@ def _set_done(say):
     return lambda s, done, total: say(f"scored {s} ({total} documents)") if done == total else None
 
 
-def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print) -> dict:
-    """Build (or reuse) the world, then time sets -> solve -> audit. Returns the figures."""
+def _ftpo_steps(seen: list[dict]) -> dict | None:
+    """The trainer's measured step from its progress reports (one per exact evaluation, `elapsed_s` since it
+    started): seconds per step between the first and the last evaluation (every part, the judge amortised), and
+    the first evaluation's time (setup: the parameterisation and base quantities). None without two reports."""
+    ev = [r for r in seen if "elapsed_s" in r and "step" in r]
+    if len(ev) < 2 or ev[-1]["step"] == ev[0]["step"]:
+        return None
+    a, b = ev[0], ev[-1]
+    return {"per_step_s": (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"]), "setup_s": a["elapsed_s"],
+            "evaluations": len(ev), "last_step": b["step"]}
+
+
+def _event_p(report) -> dict | None:
+    """How hard the world is for the solver: train and dev events by base p (the sets report's p_base)."""
+    if report is None:
+        return None
+    p = np.asarray([e.p_base for e in report.events if e.set in ("train", "dev")], dtype=float)
+    return {"n": int(p.size), "p_ge_0.9": int((p >= 0.9).sum()), "p_ge_0.5": int((p >= 0.5).sum()),
+            "max": float(p.max()) if p.size else None, "median": float(np.median(p)) if p.size else None}
+
+
+def _steps(method: str, runs: Path, world: dict, exp: Path, device: str, res: dict, clock, seen: list):
+    """(stage, thunk) in order: sets, plan (what `l47 plan` does, with its solve-time estimate), solve, audit."""
+    from l47.app.estimate_view import plan_and_estimate
     from l47.data.sets import build_sets, write_sets_json
     from l47.evals.audit import AuditArgs, run_audit
     from l47.solvers.solve import SolveArgs, run_solve
 
-    size = FULL if real else REDUCED
+    def args():
+        return SolveArgs(exp, method, runs / "bundle.gguf", device=device, ledger=runs / "ledger.jsonl",
+                         sets_json=res["sets_json"])
+
+    def sets():
+        rep = build_sets(exp, device=device)
+        res["sets_json"] = write_sets_json(rep, runs / "sets.json")
+        return rep
+
+    return (
+        ("sets", sets),
+        ("plan", lambda: plan_and_estimate(args(), clock("plan"))),
+        ("solve", lambda: run_solve(args(), log=clock("solve"), progress=seen.append)),
+        ("audit", lambda: run_audit(AuditArgs(runs / "bundle.gguf", Path(world["model"]), exp, runs / "audit",
+                                              ledger=runs / "ledger.jsonl", device=device, plots=False),
+                                    progress=_set_done(clock("audit")))),
+    )
+
+
+def bench_pipeline(size: PipelineSize, device: str, work: Path | None = None, log=print,
+                   method: str | None = None) -> dict:
+    """Build (or reuse) the world, then time sets -> plan -> solve -> audit with `method` (None: the toolkit's
+    default, l47.solvers.solve DEFAULT_METHOD). Returns the figures."""
+    from l47.solvers.methods import solver_for
+    from l47.solvers.solve import DEFAULT_METHOD
+
+    method = solver_for(method or DEFAULT_METHOD, "--method").name
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -482,52 +560,53 @@ def bench_pipeline(real: bool, device: str, work: Path | None = None, log=print)
             shutil.rmtree(runs)
         runs.mkdir()
         stages: dict = {}
-        res: dict = {}
-        error = None
-        clock = _clock(log)
-        steps = (
-            ("sets", lambda: build_sets(exp, device=device)),
-            ("solve", lambda: run_solve(SolveArgs(exp, "wfld", runs / "bundle.gguf", device=device,
-                                                  ledger=runs / "ledger.jsonl",
-                                                  sets_json=write_sets_json(res["sets"], runs / "sets.json")),
-                                        log=clock("solve"))),
-            ("audit", lambda: run_audit(AuditArgs(runs / "bundle.gguf", Path(world["model"]), exp, runs / "audit",
-                                                  ledger=runs / "ledger.jsonl", device=device, plots=False),
-                                        progress=_set_done(clock("audit")))),
-        )
-        for name, fn in steps:  # a failing stage ends the run; the figures so far are still returned (and saved)
-            try:
+        res: dict = {"progress": [], "error": None}  # each stage's result, the trainer's reports, the error
+        for name, fn in _steps(method, runs, world, exp, device, res, _clock(log), res["progress"]):
+            try:  # a failing stage ends the run; the figures so far are still returned (and saved)
                 res[name] = _stage(name, fn, device, stages, log)
             except Exception as e:  # noqa: BLE001 - reported in the figures, re-raised by the caller
-                error = f"{name}: {type(e).__name__}: {e}"
-                log(f"[red]{error}[/]")
+                res["error"] = f"{name}: {type(e).__name__}: {e}"
+                log(f"[red]{res['error']}[/]")
                 break
-        report, claims, audit = res.get("sets"), res.get("solve"), res.get("audit")
-        return {
-            "size": size.name, "dims": asdict(size.dims), "device": (torch.cuda.get_device_name() if
-                                                                    device.startswith("cuda") else device),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "world": {k: world[k] for k in ("docs", "positions", "planted_and_natural_event_rows", "fit",
-                                            "setup_s", "dump_bytes")},
-            "world_reused": world_s < 0.5 * world["setup_s"]["total"],
-            "events": None if report is None else report.counts("events"),
-            "refused_docs": None if report is None else sum(1 for d in report.docs if d.refused),
-            "stages": stages, "total_s": sum(v["wall_s"] for v in stages.values()),
-            "solve": None if claims is None else _claims_summary(claims), "load_average": os.getloadavg(),
-            "audit_passed": None if audit is None else bool(audit.passed),
-            "audit_failed_bars": None if audit is None else [b.name for b in audit.bars if not b.passed],
-            "error": error,
-        }
+        return _figures(size, device, method, world, world_s < 0.5 * world["setup_s"]["total"], stages, res)
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+def _figures(size, device, method, world, reused: bool, stages, res) -> dict:
+    """The benchmark's figures from the stages' results (`res`: stage -> result, "progress", "error")."""
+    from l47.app.estimate_view import estimate_dict
+
+    report, solved, audit, planned = res.get("sets"), res.get("solve"), res.get("audit"), res.get("plan")
+    conv = None if solved is None else solved.claims.convergence
+    return {
+        "size": size.name, "dims": asdict(size.dims), "method": method,
+        "device": (torch.cuda.get_device_name() if device.startswith("cuda") else device),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "world": {k: world[k] for k in ("docs", "positions", "planted_and_natural_event_rows", "fit",
+                                        "setup_s", "dump_bytes")},
+        "world_reused": reused,
+        "events": None if report is None else report.counts("events"), "event_p": _event_p(report),
+        "refused_docs": None if report is None else sum(1 for d in report.docs if d.refused),
+        "stages": stages, "total_s": sum(v["wall_s"] for v in stages.values()),
+        "estimate": None if planned is None else estimate_dict(planned[2]),
+        "steps": None if conv is None else conv.iterations, "stop_reason": None if conv is None else conv.stop_reason,
+        "ftpo_step": _ftpo_steps(res["progress"]),
+        "head_precision": None if solved is None else solved.record.numerics,
+        "solve": None if solved is None else _claims_summary(solved), "load_average": os.getloadavg(),
+        "audit_passed": None if audit is None else bool(audit.passed),
+        "audit_failed_bars": None if audit is None else [b.name for b in audit.bars if not b.passed],
+        "error": res["error"],
+    }
 
 
 def print_pipeline(r: dict, console) -> None:
     from rich.table import Table
 
     w = r["world"]
-    console.print(f"[bold]pipeline[/] ({r['size']}) on {r['device']} ({r['threads']} threads), dims {r['dims']}: "
+    console.print(f"[bold]pipeline[/] ({r['size']}, {r['method']}) on {r['device']} ({r['threads']} threads), "
+                  f"dims {r['dims']}: "
                   f"{w['docs']} documents, {w['positions']:,} positions, {r['refused_docs']} refused; events "
                   f"{r['events']}; world setup {w['setup_s']['total']:.0f} s"
                   f"{' (reused)' if r['world_reused'] else ''}", highlight=False)
@@ -539,6 +618,20 @@ def print_pipeline(r: dict, console) -> None:
     t.add_row("[bold]total", f"[bold]{r['total_s']:.1f}", "", "", "")
     console.print(t)
     console.print(f"solve: {r['solve']}; load average {r['load_average'][0]:.1f}", highlight=False)
+    ep, hp = r.get("event_p"), r.get("head_precision") or {}
+    if ep:
+        console.print(f"train + dev events: {ep['n']}, base p ≥ 0.9: {ep['p_ge_0.9']}, ≥ 0.5: {ep['p_ge_0.5']} "
+                      f"(median {ep['median']:.3f}, max {ep['max']:.4f})", highlight=False)
+    console.print(f"{r['method']}: {r['steps']} steps, stopped by {r['stop_reason']}; head precision "
+                  f"{hp.get('precision')}", highlight=False)
+    st, est = r.get("ftpo_step"), r.get("estimate")
+    if st:
+        console.print(f"FTPO measured: {st['per_step_s']:.3f} s/step over {st['last_step']} steps (judge amortised), "
+                      f"{st['setup_s']:.1f} s before the first evaluation", highlight=False)
+    if est:
+        parts = ", ".join(f"{k} {v:.3g} s" for k, v in est["per_step"].items())
+        console.print(f"plan's estimate: ≤ {est['total_s']:.1f} s ({est['steps']} steps × {est['step_s']:.3g} s: "
+                      f"{parts}; setup {est['setup_s']:.1f} s)", highlight=False)
     if r["audit_passed"] is not None:
         console.print(f"audit verdict {'PASS' if r['audit_passed'] else 'FAIL'} (synthetic model; failed bars: "
                       f"{', '.join(r['audit_failed_bars']) or 'none'})", highlight=False)

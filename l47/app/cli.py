@@ -243,18 +243,25 @@ def bench(
     T: int = typer.Option(1024, "-T", help="positions per pass"),
     device: str = typer.Option("cpu"),
     reps: int = typer.Option(2),
-    what: str = typer.Option("forward", help="forward | wfld | all | pipeline (sets -> solve -> audit)"),
+    what: str = typer.Option("forward", help="forward | wfld | all | ftpo (reps + 1 steps, by part) | pipeline "
+                             "(sets -> plan -> solve -> audit)"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     work: Optional[Path] = typer.Option(None, help="pipeline: folder for the synthetic model and dumps (reused)"),
+    method: Optional[str] = typer.Option(None, help="pipeline: ftpo | wfld (default: the toolkit's default)"),
+    dims: Optional[str] = typer.Option(None, help="full | reduced | tiny (pipeline's world) or n,f,r,hc,V "
+                                       "(forward, wfld, ftpo); default: from --real"),
     force: bool = _force_opt(),
 ):
-    """Throughput and memory of the tail forward (and solvers) at real dims with synthetic weights."""
+    """Throughput and memory of the tail forward (and solvers) at real dims with synthetic weights.
+
+    Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     from l47.app.bench import BenchArgs, run_bench
     from l47.app.paths import check_bench
 
     check_bench(json_out, force)
 
-    run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out, work=work), console)
+    run_bench(BenchArgs(real=real, T=T, device=device, reps=reps, what=what, json_out=json_out, work=work,
+                        method=method, dims=dims), console)
 
 
 @app.command()
@@ -414,11 +421,13 @@ def _p_interval(b: dict | None) -> str:
 def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
     import json
 
+    from l47.app.estimate_view import estimate_dict, estimate_lines, plan_and_estimate
     from l47.fileio import write_text_atomic
-    from l47.solvers.solve import SolveArgs, run_plan
+    from l47.solvers.solve import SolveArgs
 
-    fp, choice = run_plan(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model, False, device,
-                                    None, sets_json), log=lambda m: console.print(m, highlight=False))
+    fp, choice, est = plan_and_estimate(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model,
+                                                  False, device, None, sets_json),
+                                        log=lambda m: console.print(m, highlight=False))
     bound = "soft anchors (ftpo)" if fp.anchors_soft else "exact anchors (wfld)"  # the experiment's method
     t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats; {bound}")
     for c in ("phrase", "train", "dev", "heldout", "base p", "train p [90%]", "dev p [90%]", "needed", "reachable",
@@ -440,10 +449,12 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
                       f"{c['unique_directions']} directions only it uses", highlight=False)
     for n in fp.notes:
         console.print(f"[yellow]note:[/] {n}", highlight=False)
+    for line in estimate_lines(est):
+        console.print(line, highlight=False)
     if json_out:
         write_text_atomic(json_out, json.dumps({"plan": fp.to_dict(),
-                                                "anchors": None if choice is None else choice.summary()},
-                                               indent=1, sort_keys=True))
+                                                "anchors": None if choice is None else choice.summary(),
+                                                "estimate": estimate_dict(est)}, indent=1, sort_keys=True))
     return bool(fp.short)
 
 
