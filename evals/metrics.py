@@ -16,18 +16,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
+import torch
 
+from l47.data.experiment import Experiment
 from l47.data.sets import SAMPLER_TOPK, sampler_wider
 from l47.data.uncertainty import POOLED, residual_intervals, settings
-from l47.dumps.select import chat_structure, claims_generation, find_events, generation_check, prefix_rows
+from l47.dumps import DumpMeta
+from l47.dumps.select import (ChatStructure, SamplerCheck, chat_structure, claims_generation, find_events,
+                              generation_check, prefix_rows)
 from l47.errors import L47Error
 from l47.evals.figures import (CollateralFigures, FlipFigures, OrdinaryFigures, ProxyFigures, SlopFigures,
                                SpecialMassFigures, TurnEndFigures)
 from l47.model import names
-from l47.model.vocab import resolve_vocab
-from l47.tail.forward import score_pair
+from l47.model.gguf_io import GGUFFile
+from l47.model.vocab import Vocab, resolve_vocab
+from l47.model.weights import TailWeights
+from l47.tail.forward import PairedStats, score_pair
 
 SPECIAL = "special"  # token_sets key: the model's special tokens
 FINALS = "finals"  # token_sets key: the banned tuples' final tokens
@@ -35,7 +42,7 @@ CONTEXT_TOKENS = 16  # tokens of context decoded for flips and examples
 CHAT_ROLES = (names.ROLE_ID["assistant"], names.ROLE_ID["think"], names.ROLE_ID["user"])
 
 
-def load_vocab(exp, base, V: int):
+def load_vocab(exp: Experiment, base: GGUFFile | Path | str, V: int) -> Vocab:
     """The model's vocabulary as the experiment names it; refused when its ids do not fit the head."""
     v = resolve_vocab(getattr(exp, "vocab", "auto"), base, V)
     missing = [s for s in (names.IM_END, names.IM_START) if s not in v.special_ids]
@@ -69,15 +76,15 @@ class DocResult:
     doc_id: str
     tokens: np.ndarray  # [T+1] int64
     role: np.ndarray  # [T] uint8
-    ps: object  # l47.tail.forward.PairedStats (base / new HeadStats with set_logp[SPECIAL] [T, S], [FINALS] [T, F])
-    chat: object  # l47.dumps.select.ChatStructure
+    ps: PairedStats  # base / new HeadStats with set_logp[SPECIAL] [T, S], [FINALS] [T, F]
+    chat: ChatStructure
     slop_rows: np.ndarray  # [T] bool: prefix-exact positions of any banned tuple (events and non-events)
     verified: bool
     ref_logp: np.ndarray | None  # [T] the engine's own log p(target), when dumped
     refused: bool
     reasons: tuple[str, ...]
-    meta: object  # DumpMeta
-    sampler: object = None  # l47.dumps.select.SamplerCheck of the rows it claims generated (None: claims none)
+    meta: DumpMeta
+    sampler: SamplerCheck | None = None  # of the rows it claims generated (None: claims none)
 
     @property
     def T(self) -> int:
@@ -97,8 +104,8 @@ class Scoring:
     """What every document of an audit is scored with: the runtime weights, the edited W_sd (the bundle's
     values), the banned tuples and the token sets whose log p is kept per position."""
 
-    w: object  # l47.model.weights.TailWeights
-    W_new: object  # [n, f] torch f32: the bundle's W_sd
+    w: TailWeights
+    W_new: torch.Tensor  # [n, f] f32: the bundle's W_sd
     phrase_tuples: Sequence  # [PhraseTuples]
     special_ids: Mapping[str, int]
     finals: Sequence[int]
