@@ -210,8 +210,7 @@ def _bundle_target_edited(ev: Evidence) -> Measure:
                      "leave base keys out")
 def _bundle_metadata(ev: Evidence) -> Measure:
     b = ev.bundle
-    bad = b.metadata_changed
-    return Measure(None if bad is None else float(len(bad)), {"changed": bad, "omitted": b.metadata_omitted},
+    return Measure(float(len(b.metadata_changed)), {"changed": b.metadata_changed, "omitted": b.metadata_omitted},
                    threshold=0.0)
 
 
@@ -221,8 +220,7 @@ def _bundle_metadata(ev: Evidence) -> Measure:
                      "bundle sha256) that disagree with the tensors actually changed and the files audited")
 def _bundle_scope(ev: Evidence) -> Measure:
     b = ev.bundle
-    bad = b.scope_mismatches
-    return Measure(None if bad is None else float(len(bad)), {"mismatches": bad, "claims": b.scope_claims},
+    return Measure(float(len(b.scope_mismatches)), {"mismatches": b.scope_mismatches, "claims": b.scope_claims},
                    threshold=0.0)
 
 
