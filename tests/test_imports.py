@@ -274,9 +274,9 @@ def test_the_dump_driver_prints_nothing():
 
 HEAVY = ("torch", "transformers", "numpy", "gguf", "safetensors", "tokenizers", "matplotlib", "scipy")
 LIBRARY_LAYERS = ("l47.evals", "l47.solvers")
-# modules of those layers still importing l47 inside a function, left to their owners (moved when next edited).
-# An entry that no longer does fails the test: delete it then.
-PENDING_DEFERRED: set[str] = {"l47.solvers.problem", "l47.solvers.ftpo.trainer"}
+# modules of those layers still importing l47 inside a function, left to their owners (moved when next edited;
+# estimate: landed on main beside this change). An entry that no longer does (and exists) fails the test: delete it.
+PENDING_DEFERRED: set[str] = {"l47.solvers.problem", "l47.solvers.ftpo.trainer", "l47.solvers.estimate"}
 
 
 def function_level_imports(path: Path) -> list[tuple[int, str]]:
@@ -301,7 +301,7 @@ def test_library_imports_its_own_modules_at_module_level():
     found = {m: v for m, v in found.items() if v}
     new = {m: v for m, v in found.items() if m not in PENDING_DEFERRED}
     assert not new, "imports inside functions:\n" + "\n".join(f"{m}: {v}" for m, v in sorted(new.items()))
-    gone = sorted(PENDING_DEFERRED - set(found))
+    gone = sorted(m for m in PENDING_DEFERRED - set(found) if m in mods)
     assert not gone, f"no function-level import left, remove from PENDING_DEFERRED: {gone}"
 
 
