@@ -21,19 +21,44 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from l47.model import names
+import l47
+from l47.data.experiment import SCORED_SETS, SOLVER_SETS, Experiment, Thresholds, load_experiment
+from l47.data.identity import other_model_notes, other_model_stamp
+from l47.data.ledger import EV_BLIND_STARTED, EV_BLIND_VERDICT, Ledger, default_ledger_path, dump_content_hashes
+from l47.data.record import (STOP_ITERATION_CAP, TERM_ANCHOR, TERM_BACKGROUND, TERM_SLOP, AnchorClaims, PRejected,
+                             SolveClaims, SolveRecord, claim_name, read_record, record_path_for)
+from l47.data.sets import (HANDOFF_SOLVE, EventRecord, SetsReport, blind_event_counts, build_sets, check_handoff,
+                           content_sha256, experiment_content, is_scored_set, sampler_wider)
+from l47.dumps import doc_hash, read_dump
+from l47.dumps.select import (PhraseTuples, WindowIndex, chat_structure, content_ids, find_events, occurrences,
+                              phrases_to_tuples, prefix_rows, provenance_reasons)
 from l47.errors import L47Error
 from l47.evals import bars as B
+from l47.evals.figures import (BlindFigures, BundleFigures, ClaimsFigures, CountFigures, EngineFigures, FlipFigures,
+                               OrdinaryFigures, ProxyFigures, RecordFigures, SetKld, SlopFigures, SplitFigures,
+                               TurnEndFigures, figures_dict, is_figures)
+from l47.evals.kld_stats import kld_stats_of_pairs
 from l47.evals.metrics import (DocResult, Scoring, collateral_figures, flip_figures, load_vocab, ordinary_figures,
                                proxy_figures, score_document, slop_figures, special_mass_figures, top_k_of,
                                turn_end_figures)
-from l47.data.experiment import SCORED_SETS, SOLVER_SETS
-from l47.evals.penalty import DEFAULT_BIAS
+from l47.evals.penalty import (DEFAULT_BIAS, FORM_LAST, FORM_SEED, PenaltySpec, make_spec, penalise_document,
+                               simulate)
+from l47.evals.report import write_reports
+from l47.fileio import read_json, write_text_atomic
+from l47.model import names
+from l47.model.gguf_io import GGUFFile, open_gguf, tensors_equal_bytes
+from l47.model.vocab import Vocab
+from l47.model.weights import TailWeights, check_dump_dims, edited_weight, load_tail_weights
+from l47.tail.forward import head_chunk, mix_of_dump
 
 AUDIT_SCHEMA = "l47.audit/1"
 CLAIM_TOL_ABS, CLAIM_TOL_REL = 1e-4, 1e-3
@@ -100,28 +125,20 @@ class AuditReport:
 
 
 def toolkit_version() -> str:
-    import l47
-
     if getattr(l47, "__version__", None):
         return str(l47.__version__)
     try:
-        from importlib.metadata import version
-
         return version("l47")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         return "0+unknown"
 
 
 def _file_sha(path: Path) -> str:
-    from l47.dumps import doc_hash
-
     return doc_hash(path)
 
 
 def _content_hashes(paths) -> dict[str, str]:
     """path -> the document's identity (sha256 of its token ids), for dumps."""
-    from l47.data.ledger import dump_content_hashes
-
     return dump_content_hashes(paths)
 
 
@@ -154,7 +171,10 @@ def _json_default(o):
 
 
 def clean(o):
-    """JSON-safe copy: NaN/inf -> None, numpy -> python, tuples -> lists."""
+    """JSON-safe copy: NaN/inf -> None, numpy -> python, tuples -> lists, a family of figures (l47.evals.figures)
+    -> its dict (the JSON boundary: figures_dict)."""
+    if is_figures(o):
+        return clean(figures_dict(o))
     if isinstance(o, dict):
         return {str(k): clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
@@ -198,7 +218,7 @@ def _scope_claims(kv: dict) -> dict[str, set[str]]:
     return out
 
 
-def refuse_other_model(base_g, bundle_g, target: str, record) -> None:
+def refuse_other_model(base_g: GGUFFile, bundle_g: GGUFFile, target: str, record: SolveRecord | None) -> None:
     """L47Error for a bundle (or solve record) made for another model: provenance base hash, record base hash,
     a tensor whose shape differs from the base's, no target tensor."""
     basesha = base_g.sha256()
@@ -220,11 +240,10 @@ def refuse_other_model(base_g, bundle_g, target: str, record) -> None:
                            "model)", f"{ti.shape} (a bundle for another model)")
 
 
-def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
+def bundle_figures(base_g: GGUFFile, bundle_g: GGUFFile, w: TailWeights, W_new: torch.Tensor,
+                   record: SolveRecord | None) -> BundleFigures:
     """Compare every tensor and metadata key of the bundle with the base; ‖ΔW‖/‖W‖; scope claims.
     Call `refuse_other_model` first."""
-    from l47.model.gguf_io import tensors_equal_bytes
-
     target = w.target
     bsha = bundle_g.sha256()
     basesha = base_g.sha256()
@@ -263,7 +282,6 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
     blocks = None
     if target in bundle_g.tensors and base_g.info(target).ggml_type == bundle_g.info(target).ggml_type:
         ra, rb = np.asarray(base_g.raw(target)), np.asarray(bundle_g.raw(target))
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         try:
             ts = GGML_QUANT_SIZES[GGMLQuantizationType(base_g.info(target).ggml_type)][1]
@@ -282,11 +300,12 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
         if record.bundle_sha256 and record.bundle_sha256 != bsha:
             mism.append(f"solve record bundle_sha256 {record.bundle_sha256[:16]}… is not this bundle's {bsha[:16]}… "
                         "(modified after the solve, or another solve's record)")
-    return {"form": form, "target": target, "compared": compared, "others_changed": others,
-            "target_type_shape": tgt_ts, "target_changed": target_changed, "dw_rel": dw_rel if target_changed else 0.0,
-            "dw_fro": dw_fro, "blocks_changed": blocks, "metadata_changed": changed_kv, "metadata_omitted": omitted,
-            "scope_claims": {k: sorted(v) for k, v in claims.items()}, "scope_mismatches": mism,
-            "sha256": bsha, "base_sha256": basesha}
+    return BundleFigures(form=form, target=target, compared=compared, others_changed=others,
+                         target_type_shape=tgt_ts, target_changed=target_changed,
+                         dw_rel=dw_rel if target_changed else 0.0, dw_fro=dw_fro, blocks_changed=blocks,
+                         metadata_changed=changed_kv, metadata_omitted=omitted,
+                         scope_claims={k: sorted(v) for k, v in claims.items()}, scope_mismatches=mism,
+                         sha256=bsha, base_sha256=basesha)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -296,8 +315,6 @@ def bundle_figures(base_g, bundle_g, w, W_new, record) -> dict:
 def _experiment_overlaps(overlaps) -> list[dict]:
     """The experiment's own copies and near-duplicates (by content; l47.data.sets): a training document and a
     scored one that are one document."""
-    from l47.data.sets import is_scored_set
-
     out = []
     for o in overlaps:
         sides = {o.set, o.with_set}
@@ -309,18 +326,16 @@ def _experiment_overlaps(overlaps) -> list[dict]:
     return out
 
 
-def record_figures(ctx: "AuditContext", scored_shas: dict[str, str], solver_shas: dict[str, str]) -> dict:
+def record_figures(ctx: AuditContext, scored_shas: dict[str, str], solver_shas: dict[str, str]) -> RecordFigures:
     """Bars (a), (b) and (c)'s disjointness against the solve record: every slop position prefix-exact and an
     event, the training documents natural, no record document among the scored ones."""
-    from l47.data.record import TERM_BACKGROUND, TERM_SLOP
-
     record, record_path, by_sha, pts, vocab = ctx.record, ctx.record_path, ctx.by_sha, ctx.pts, ctx.vocab
     thr, overlaps = ctx.th.non_event_p, ctx.sets_rep.overlaps
     doc_sets = {dr.sha256: {"set": dr.set, "path": dr.path, "refused": dr.refused, "reasons": dr.reasons}
                 for dr in ctx.sets_rep.docs}
     overlap = _experiment_overlaps(overlaps)
     if record is None:
-        return {"present": False, "why": f"no solve record at {record_path}", "overlap": overlap or None}
+        return RecordFigures(present=False, why=f"no solve record at {record_path}", overlap=overlap or None)
     slop = [t for t in record.touched if t.term == TERM_SLOP]
     bad, non_ev, docs = [], [], {}
     by_final: dict[int, list[tuple[int, ...]]] = {}
@@ -374,18 +389,17 @@ def record_figures(ctx: "AuditContext", scored_shas: dict[str, str], solver_shas
             n_pos = sum(1 for t in record.touched if t.doc_sha256 == sha)
             overlap.append({"doc_sha256": sha, "scored_set": scored_shas[sha], "in": how, "touched_positions": n_pos})
     bg = [t for t in record.touched if t.term == TERM_BACKGROUND]
-    return {"present": True, "path": str(record_path), "method": record.method, "n_slop": len(slop),
-            "n_terms": {k: sum(1 for t in record.touched if t.term == k) for k in
-                        sorted({t.term for t in record.touched})},
-            "not_prefix_exact": bad, "non_events": non_ev, "unnatural_docs": unnatural, "training_docs": training,
-            "overlap": overlap, "slop_positions": [(t.doc_sha256, t.pos) for t in slop],
-            "background_positions": [(t.doc_sha256, t.pos) for t in bg]}
+    return RecordFigures(present=True, path=str(record_path), method=record.method, n_slop=len(slop),
+                         n_terms={k: sum(1 for t in record.touched if t.term == k) for k in
+                                  sorted({t.term for t in record.touched})},
+                         not_prefix_exact=bad, non_events=non_ev, unnatural_docs=unnatural, training_docs=training,
+                         overlap=overlap, slop_positions=[(t.doc_sha256, t.pos) for t in slop],
+                         background_positions=[(t.doc_sha256, t.pos) for t in bg])
 
 
-def rederive_claims(record, rec: dict, by_sha: dict[str, DocResult], dev_events, bundle: dict):
+def rederive_claims(record: SolveRecord, rec: RecordFigures, by_sha: dict[str, DocResult], dev_events,
+                    bundle: BundleFigures) -> SolveClaims:
     """The SolveClaims the audit's own forward gives at the record's positions (None where it cannot)."""
-    from l47.data.record import TERM_ANCHOR, TERM_SLOP, AnchorClaims, PRejected, SolveClaims
-
     def p_rejected(triples) -> PRejected | None:
         got = [(ph, by_sha[s].ps, pos) for s, pos, ph in triples if s in by_sha and 0 <= pos < by_sha[s].T]
         if not got:
@@ -399,24 +413,23 @@ def rederive_claims(record, rec: dict, by_sha: dict[str, DocResult], dev_events,
         return PRejected(before=float(np.mean([x for _, x in b])), after=float(np.mean([x for _, x in a])),
                          n=len(triples), per_phrase_before=per(b), per_phrase_after=per(a))
 
-    bg = [by_sha[s].ps.kld[p] for s, p in rec.get("background_positions", []) if s in by_sha and 0 <= p < by_sha[s].T]
+    bg = [by_sha[s].ps.kld[p] for s, p in rec.background_positions or [] if s in by_sha and 0 <= p < by_sha[s].T]
     an = [(t.doc_sha256, t.pos) for t in record.touched if t.term == TERM_ANCHOR]
     dl = [abs(by_sha[s].ps.dlogp[p]) for s, p in an if s in by_sha and 0 <= p < by_sha[s].T]
     return SolveClaims(
-        dW_rel_norm=bundle.get("dw_rel"), blocks_changed=bundle.get("blocks_changed"),
+        dW_rel_norm=bundle.dw_rel, blocks_changed=bundle.blocks_changed,
         train_p_rejected=p_rejected([(t.doc_sha256, t.pos, t.phrase) for t in record.touched if t.term == TERM_SLOP]),
         dev_p_rejected=p_rejected([(e.doc_sha256, e.pos, e.phrase) for e in dev_events]),
         background_kl_exact=float(np.mean(bg)) if bg else None,
         anchors=AnchorClaims(n=len(an), max_abs_dlogp_shipped=float(max(dl)) if dl else None) if an else None)
 
 
-def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, bundle: dict) -> dict:
+def claims_figures(record: SolveRecord | None, rec: RecordFigures, by_sha: dict[str, DocResult], dev_events,
+                   bundle: BundleFigures) -> ClaimsFigures:
     """Re-derive the record's claimed figures with the audit's own forward (rederive_claims) and compare, field
     by field (CLAIM_DEFINITIONS)."""
-    from l47.data.record import claim_name
-
     if record is None:
-        return {"present": False, "why": rec.get("why")}
+        return ClaimsFigures(present=False, why=rec.why)
     mine = dict(rederive_claims(record, rec, by_sha, dev_events, bundle).flat())
     compared, mism, not_re = {}, [], []
     for path, v in sorted(record.claims.flat(), key=lambda kv: claim_name(kv[0])):
@@ -435,9 +448,9 @@ def claims_figures(record, rec: dict, by_sha: dict[str, DocResult], dev_events, 
     mism += _base_p_mismatches(record, by_sha)
     conv = convergence_problems(record)
     mism += conv["unexplained"]
-    rederived = {**{claim_name(p): v for p, v in mine.items()}, "bundle_sha256": bundle.get("sha256")}
-    return {"present": True, "compared": compared, "mismatched": mism, "not_rederived": not_re,
-            "rederived": rederived, "convergence": conv}
+    rederived = {**{claim_name(p): v for p, v in mine.items()}, "bundle_sha256": bundle.sha256}
+    return ClaimsFigures(present=True, compared=compared, mismatched=mism, not_rederived=not_re, rederived=rederived,
+                         convergence=conv)
 
 
 EXPLAIN_PREFIX = "convergence:"  # a record note starting with this explains a capped / infeasible solve
@@ -449,8 +462,6 @@ def convergence_problems(record) -> dict:
     record explains it. An explanation is a note starting "convergence:" with its reason; a stop at the
     iteration cap needs the figures beside it — the iterations run and the dev residual per phrase at the stop
     (claims.dev_p_rejected, re-derived by this audit) — never a bare note. Reported with those figures."""
-    from l47.data.record import STOP_ITERATION_CAP
-
     c = getattr(record.claims, "convergence", None)
     issues = []
     if c is not None:
@@ -502,16 +513,13 @@ def _base_p_mismatches(record, by_sha: dict[str, DocResult]) -> list[str]:
 # engine-level checks
 
 
-def _engine_figures(args, w, by_sha: dict[str, DocResult], doc_paths: dict[str, str]) -> dict:
+def _engine_figures(args: AuditArgs, w: TailWeights, by_sha: dict[str, DocResult],
+                    doc_paths: dict[str, str]) -> EngineFigures:
     """Edited-engine dumps (made by the engine running the transplanted bundle) matched to experiment documents
     by token sequence: their log p vs the tail forward's edited prediction, and engine-level KLD where both
     dumps hold ref_logits, beside the floor KL(engine base ‖ exact forward base)."""
-    from l47.dumps import read_dump
-    from l47.tail.forward import head_chunk, mix_of_dump
-    from l47.model.weights import check_dump_dims
-
     if not args.engine_dumps:
-        return {}
+        return EngineFigures()
     by_tokens = {d.tokens.tobytes(): d for d in by_sha.values()}
     zp, kld_sets = {}, {}
     acc: dict[str, dict[str, list]] = {}
@@ -531,7 +539,6 @@ def _engine_figures(args, w, by_sha: dict[str, DocResult], doc_paths: dict[str, 
             if b.ref_logits is None:
                 continue
             kl_e = _kl_rows(np.asarray(b.ref_logits), np.asarray(e.ref_logits))  # [T]
-            import torch
 
             with torch.no_grad():
                 mix = mix_of_dump(b, w)  # [T, n]
@@ -546,7 +553,7 @@ def _engine_figures(args, w, by_sha: dict[str, DocResult], doc_paths: dict[str, 
     for s, a in acc.items():
         kld_sets[s] = {"kld": float(np.concatenate(a["kld"]).mean()), "floor": float(np.concatenate(a["floor"]).mean()),
                        "tail_kld": float(np.concatenate(a["tail"]).mean())}
-    return {"zero_proxy_edited": zp, "kld": kld_sets}
+    return EngineFigures(zero_proxy_edited=zp, kld=kld_sets)
 
 
 def _kl_rows(za: np.ndarray, zb: np.ndarray) -> np.ndarray:
@@ -564,9 +571,7 @@ def _kl_rows(za: np.ndarray, zb: np.ndarray) -> np.ndarray:
 # penalty simulation over the scored documents
 
 
-def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
-    from l47.evals.penalty import FORM_LAST, FORM_SEED, penalise_document, simulate
-
+def _penalty_figures(spec: PenaltySpec, docs: list[DocResult], vocab: Vocab) -> tuple[dict, dict]:
     finals = list(spec.finals)
     sims, per_set = {}, {}
     unchanged, pen_rows, max_abs_alone, max_abs_stacked = 0, 0, 0.0, 0.0
@@ -622,8 +627,6 @@ def _penalty_figures(spec, docs: list[DocResult], vocab) -> tuple[dict, dict]:
 
 
 def _read_dev_report(path: Path) -> dict:
-    from l47.fileio import read_json
-
     rep = read_json(path, "dev report", "the report.json of the dev audit")
     if rep.get("schema") != AUDIT_SCHEMA or rep.get("mode") != B.MODE_DEV:
         raise L47Error(path, "schema / mode", f"{AUDIT_SCHEMA} of a dev audit", f"{rep.get('schema')!r} / "
@@ -645,9 +648,6 @@ def _blind_prechecks(args, bsha: str, record, exp, ledgers, special_ids, model_s
     of the blind set, and no `window` content tokens shared with any of the experiment's documents. The model's own
     generation (assistant turns `generated` by this model, sampler recorded) from a prompt held back from every
     set; a chat with turns, a <think> block and real turn ends."""
-    from l47.dumps import read_dump
-    from l47.dumps.select import WindowIndex, content_ids
-
     if args.dev_report is None:
         raise L47Error("audit", "--dev", "the dev report (report.json) of the same bundle with --blind", "none")
     dev = _read_dev_report(args.dev_report)
@@ -686,9 +686,9 @@ class _BlindRefs:
     experiment's documents (by sha256, by content window, their tokens) and the blind set's earlier documents."""
 
     dev: dict
-    record: object
-    ledgers: list
-    index: object  # l47.dumps.select.WindowIndex over the experiment's documents
+    record: SolveRecord | None
+    ledgers: list[Ledger]
+    index: WindowIndex  # over the experiment's documents
     special_ids: dict
     model_sha256: str
     window: int
@@ -700,9 +700,6 @@ class _BlindRefs:
 
 def _blind_doc_checks(p, d, refs: _BlindRefs) -> None:
     """One blind document's checks (_blind_prechecks)."""
-    from l47.data.sets import sampler_wider
-    from l47.dumps.select import chat_structure, content_ids, occurrences, provenance_reasons
-
     dev, record, window = refs.dev, refs.record, refs.window
     doc = d.sha256  # the document's identity: its tokens
     seen = []
@@ -773,13 +770,10 @@ def protected_positions(record) -> frozenset:
     return frozenset((t.doc_sha256, int(t.pos)) for t in record.touched)
 
 
-def kld_figures(docs: list[DocResult], pts) -> dict:
+def kld_figures(docs: list[DocResult], pts: list[PhraseTuples]) -> dict[str, SetKld | None]:
     """Per set: KL(base ‖ bundle) statistics over the positions that are NOT prefix rows (the judged figure of
     bar (e)), with the prefix rows (l47.dumps.select.prefix_rows: moving mass off the banned word there is the
     intended effect) and all rows reported beside it."""
-    from l47.dumps.select import prefix_rows
-    from l47.evals.kld_stats import kld_stats_of_pairs
-
     out = {}
     for s in dict.fromkeys(d.set for d in docs):
         ds = [d for d in docs if d.set == s]
@@ -787,20 +781,14 @@ def kld_figures(docs: list[DocResult], pts) -> dict:
         judged = kld_stats_of_pairs([(d.ps, ~pre[d.sha256]) for d in ds if (~pre[d.sha256]).any()])
         at_pre = kld_stats_of_pairs([(d.ps, pre[d.sha256]) for d in ds if pre[d.sha256].any()])
         allr = kld_stats_of_pairs([d.ps for d in ds])
-        if judged is None:
-            out[s] = None
-            continue
-        out[s] = {**judged.to_dict(), "prefix_rows": at_pre.to_dict() if at_pre else {"n": 0},
-                  "all_rows": allr.to_dict() if allr else None}
+        out[s] = None if judged is None else SetKld(stats=judged, prefix_rows=at_pre, all_rows=allr)
     return out
 
 
 def _write_blind_stub(out: Path, args, bsha: str, blind_shas: tuple[str, ...], ledgers) -> None:
     """report.json / report.md saying the blind sign-off started and its documents are burned; the finished
     report replaces both. A run killed in between leaves this stub: the documents may not be used again."""
-    from l47.fileio import write_text_atomic
-
-    when = __import__("time").strftime("%Y-%m-%d %H:%M:%S %Z")
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     note = (f"blind sign-off STARTED {when} and did not finish: the blind document(s) {', '.join(blind_shas)} are in "
             f"the ledger ({', '.join(str(p) for p in ledgers)}) and may never be scored again; no verdict exists. "
             "Sign off on fresh documents.")
@@ -818,7 +806,7 @@ def _blind_inputs(paths, shas) -> list[dict]:
     return [{"path": str(p), "sha256": s} for p, s in zip(paths, shas)]
 
 
-def count_figures(sets_rep) -> dict:
+def count_figures(sets_rep: SetsReport) -> CountFigures:
     """The minimum-count bars' figures: held-out events per phrase (every phrase with a multi-token variant,
     zero included), collateral_eval occurrences per collateral word (zero included) and in all."""
     ho = {p.phrase: 0 for p in sets_rep.phrases if p.tuples}
@@ -829,32 +817,25 @@ def count_figures(sets_rep) -> dict:
     for c in sets_rep.collateral:
         if c.set == "collateral_eval":
             cw[c.word] = cw.get(c.word, 0) + 1
-    return {"heldout_per_phrase": ho, "collateral_per_word": cw, "collateral_total": sum(cw.values())}
+    return CountFigures(heldout_per_phrase=ho, collateral_per_word=cw, collateral_total=sum(cw.values()))
 
 
 @dataclass
 class SharedFigures:
     """Figures both modes report, from the scored documents."""
 
-    kld: dict  # set -> KLD statistics
-    proxy: dict
-    flips: dict
-    turn_ends: dict
-    penalty: dict
+    kld: dict[str, SetKld | None]  # set -> KLD statistics
+    proxy: ProxyFigures
+    flips: FlipFigures
+    turn_ends: TurnEndFigures
+    penalty: dict  # reported, no bar
     sims: dict  # doc sha256 -> {"alone", "stacked"} penalty simulations
 
 
 def shared_figures(ctx: AuditContext) -> SharedFigures:
     accepted, th = ctx.accepted, ctx.th
     pen_fig, sims = _penalty_figures(ctx.spec, accepted, ctx.vocab)
-    proxy = {**proxy_figures(accepted, ctx.w.V, th.ce_proxy_frac, th.zero_proxy_tol),
-             "allow_unverified": ctx.args.allow_unverified}
-    from l47.data.sets import sampler_wider
-
-    for d in accepted:  # a declared sampler the check cannot bound proves nothing (bar proxy.own_generation)
-        own = proxy["own_generation"].get(d.path)
-        if own is not None and sampler_wider(d.meta.provenance):
-            own["wider"] = sampler_wider(d.meta.provenance)
+    proxy = proxy_figures(accepted, ctx.w.V, th.ce_proxy_frac, th.zero_proxy_tol, ctx.args.allow_unverified)
     return SharedFigures(kld=kld_figures(accepted, ctx.pts), proxy=proxy,
                          flips=flip_figures(accepted, ctx.vocab, ctx.special_ids),
                          turn_ends=turn_end_figures(accepted, ctx.special_ids, protected_positions(ctx.record)),
@@ -881,7 +862,7 @@ def dev_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict
     rec = record_figures(ctx, scored_shas, solver_shas)
     n_ev = {s: sum(1 for e in sets_rep.events if e.set == s) for s in ("train", "dev", "heldout")}
     tot = sum(n_ev.values())
-    split = {"events": n_ev, "heldout_frac": (n_ev["heldout"] / tot) if tot else None, "split": sets_rep.split}
+    split = SplitFigures(events=n_ev, heldout_frac=(n_ev["heldout"] / tot) if tot else None, split=sets_rep.split)
     slop = slop_figures(list(sets_rep.heldout_events()), by_sha, vocab, special_ids, sh.sims)
     coll = collateral_figures([c for c in sets_rep.collateral if c.set == "collateral_eval"], by_sha, vocab,
                               th.collateral_below)
@@ -890,7 +871,7 @@ def dev_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict
     special = special_mass_figures(sets_rep.events, by_sha)
     ordinary = ordinary_figures([d for d in ctx.accepted if d.set == "chat_heldout"], special_ids)
     counts = count_figures(sets_rep)
-    ev = B.Evidence(thresholds=th, mode=B.MODE_DEV, bundle=ctx.bundle, record=rec, proxy=sh.proxy, split=split,
+    ev = B.Evidence(thresholds=th, bundle=ctx.bundle, proxy=sh.proxy, mode=B.MODE_DEV, record=rec, split=split,
                     slop=slop, claims=claims, collateral=coll, kld=sh.kld, engine=engine, flips=sh.flips,
                     turn_ends=sh.turn_ends, special_mass=special, ordinary=ordinary, counts=counts)
     figures = {"bundle": ctx.bundle, "proxy": sh.proxy, "record": rec, "split": split, "claims": claims,
@@ -908,9 +889,6 @@ def dev_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict
 def blind_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, dict]:
     """The blind sign-off's evidence: the blind document's events (base p from this audit's one pass), its
     figures beside the dev report's."""
-    from l47.data.sets import EventRecord
-    from l47.dumps.select import find_events
-
     th, dev_rep = ctx.th, ctx.dev_rep
     evs = []
     for d0 in ctx.docs:  # the blind set: its figures pooled over its documents
@@ -923,16 +901,17 @@ def blind_evidence(ctx: AuditContext, sh: SharedFigures) -> tuple[B.Evidence, di
     ordinary = ordinary_figures(ctx.docs, ctx.special_ids)
     dev_ho = dev_rep["slop"]["heldout"]
     dev_after = dev_ho.get("p_after")
-    blind = {"bundle_sha256": ctx.bsha, "dev_bundle_sha256": dev_rep["inputs"]["bundle"]["sha256"],
-             "doc_sha256": list(ctx.blind_shas), "n_docs": len(ctx.blind_shas), "never_scored": True, "ledgers": [str(lp.path) for lp in ctx.ledgers],
-             "slop": slop, "flips": sh.flips, "turn_ends": sh.turn_ends,
-             "special_mass": special_mass_figures(evs, ctx.by_sha), "ordinary": ordinary,
-             "dev_residual_ratio": dev_ho["residual_ratio"], "events_before_scoring": ctx.blind_events,
-             "own_generation_replay": "not replayed: the blind chat was not re-generated by the engine from its "
-                                      "recorded prompt, seed and sampler (the sign-off is stamped weakened)",
-             "absolute_residual_vs_dev": (slop["p_after"] / dev_after) if slop.get("p_after") and dev_after else None,
-             "comparisons": _blind_comparisons(slop, ordinary, sh.flips, sh.turn_ends, dev_rep, th)}
-    ev = B.Evidence(thresholds=th, mode=B.MODE_BLIND, bundle=ctx.bundle, proxy=sh.proxy, blind=blind)
+    blind = BlindFigures(
+        bundle_sha256=ctx.bsha, dev_bundle_sha256=dev_rep["inputs"]["bundle"]["sha256"],
+        doc_sha256=list(ctx.blind_shas), n_docs=len(ctx.blind_shas), never_scored=True,
+        ledgers=[str(lp.path) for lp in ctx.ledgers], slop=slop, flips=sh.flips, turn_ends=sh.turn_ends,
+        special_mass=special_mass_figures(evs, ctx.by_sha), ordinary=ordinary,
+        dev_residual_ratio=dev_ho["residual_ratio"], events_before_scoring=ctx.blind_events,
+        own_generation_replay="not replayed: the blind chat was not re-generated by the engine from its recorded "
+                              "prompt, seed and sampler (the sign-off is stamped weakened)",
+        absolute_residual_vs_dev=(slop.p_after / dev_after) if slop.p_after and dev_after else None,
+        comparisons=_blind_comparisons(slop, ordinary, sh.flips, sh.turn_ends, dev_rep, th))
+    ev = B.Evidence(thresholds=th, bundle=ctx.bundle, proxy=sh.proxy, mode=B.MODE_BLIND, blind=blind)
     return ev, {"bundle": ctx.bundle, "blind": blind, "kld": sh.kld, "proxy": sh.proxy, "penalty": sh.penalty}
 
 
@@ -948,30 +927,30 @@ class AuditContext:
 
     args: AuditArgs
     mode: str
-    exp: object  # l47.data.experiment.Experiment
-    ledgers: list  # l47.data.ledger.Ledger: the base model's (or --ledger) first; with --blind also the dev
-    # report's when it named another file
-    w: object  # TailWeights (base)
-    W_new: object  # [n, f] torch f32: the bundle's W_sd
+    exp: Experiment
+    ledgers: list[Ledger]  # the base model's (or --ledger) first; with --blind also the dev report's when it
+    # named another file
+    w: TailWeights  # base
+    W_new: torch.Tensor  # [n, f] f32: the bundle's W_sd
     bsha: str  # bundle sha256
-    record: object  # l47.data.record.SolveRecord | None
+    record: SolveRecord | None
     record_path: Path
-    bundle: dict  # bundle_figures
-    vocab: object
-    pts: list  # [PhraseTuples]
-    spec: object  # l47.evals.penalty.PenaltySpec
+    bundle: BundleFigures
+    vocab: Vocab
+    pts: list[PhraseTuples]
+    spec: PenaltySpec
     notes: list[str] = field(default_factory=list)
     other_model: list[dict] = field(default_factory=list)  # {path, model} of dumps of another model (allowed)
     dev_rep: dict | None = None  # blind: the dev audit's report
     blind_shas: tuple[str, ...] = ()  # the blind set's documents (sha256 of their tokens)
-    sets_rep: object = None  # dev: the SetsReport (blind documents excluded)
+    sets_rep: SetsReport | None = None  # dev: the sets report (blind documents excluded)
     docs: list[DocResult] = field(default_factory=list)
     doc_paths: dict[str, str] = field(default_factory=dict)
     content: dict = field(default_factory=dict)  # the experiment's content (l47.data.sets.experiment_content)
     blind_events: dict = field(default_factory=dict)  # blind: events per phrase before scoring (blind_slop_events)
 
     @property
-    def th(self):
+    def th(self) -> Thresholds:
         return self.exp.thresholds
 
     @property
@@ -994,13 +973,11 @@ class AuditContext:
         return [d for d in self.docs if not d.refused]
 
 
-def _ledgers(args: AuditArgs, base_sha256: str) -> list:
+def _ledgers(args: AuditArgs, base_sha256: str) -> list[Ledger]:
     """The base model's ledger (or the one --ledger names); with --blind also the dev report's (when it exists)
     and always the base model's default one, so a blind document scored once is refused everywhere after,
     whichever --ledger a later run names. Each validated now, so a corrupt ledger or another model's is refused
     before any scoring."""
-    from l47.data.ledger import Ledger, default_ledger_path
-
     ledger = Ledger.open(args.ledger, base_sha256)
     ledgers = [ledger]
     if not args.blind:
@@ -1022,13 +999,6 @@ def _ledgers(args: AuditArgs, base_sha256: str) -> list:
 def load_context(args: AuditArgs) -> AuditContext:
     """Check every input — output folder, ledgers, base / bundle / record of one model, blind rules — before
     anything is scored."""
-    from l47.data.experiment import load_experiment
-    from l47.data.record import read_record, record_path_for
-    from l47.dumps.select import phrases_to_tuples
-    from l47.evals.penalty import make_spec
-    from l47.model.gguf_io import open_gguf
-    from l47.model.weights import edited_weight, load_tail_weights
-
     _check_out_dir(Path(args.out_dir))
     exp = load_experiment(args.experiment)
     base_g, bundle_g = open_gguf(args.base), open_gguf(args.bundle)
@@ -1048,7 +1018,6 @@ def load_context(args: AuditArgs) -> AuditContext:
                        content=content)
     if exp.policy != args.policy:
         ctx.notes.append(f"runtime weight policy {args.policy!r} (the experiment names {exp.policy!r})")
-    from l47.data.identity import other_model_notes
 
     docs = [p for s, p in exp.documents() if ctx.mode == B.MODE_DEV and s != "blind"]
     other_model_notes(docs + list(args.blind), w.model_sha256, args.base,
@@ -1061,13 +1030,11 @@ def load_context(args: AuditArgs) -> AuditContext:
     return ctx
 
 
-def check_handoffs(args: AuditArgs, exp, record, record_path: Path) -> dict:
+def check_handoffs(args: AuditArgs, exp: Experiment, record: SolveRecord | None, record_path: Path) -> dict:
     """The experiment's content at hand (l47.data.sets.experiment_content: token hashes, never a score), and
     the refusal of a solve record made from other inputs (check_handoff: one line naming both hashes and what
     changed), held to what a solve reads: its scored sets may gain or lose documents since (the dev report of a
     blind sign-off is held to all of it: check_dev_handoff)."""
-    from l47.data.sets import HANDOFF_SOLVE, check_handoff, experiment_content
-
     content = experiment_content(exp)
     if record is not None:
         check_handoff(record_path, "solve record", record.experiment_content, record.experiment_content_sha256,
@@ -1078,8 +1045,6 @@ def check_handoffs(args: AuditArgs, exp, record, record_path: Path) -> dict:
 def check_dev_handoff(args: AuditArgs, dev: dict, content: dict) -> None:
     """The blind sign-off: refuse a dev report made from other inputs than the experiment at hand (all of its
     content but the blind set; check_handoff)."""
-    from l47.data.sets import check_handoff
-
     e = (dev.get("inputs") or {}).get("experiment") or {}
     check_handoff(args.dev_report, "dev report", e.get("content"), str(e.get("content_sha256") or ""), content,
                   args.experiment)
@@ -1089,9 +1054,6 @@ def blind_slop_events(paths, pts, non_event_p: float) -> dict:
     """The blind set's slop events per phrase before it is scored (l47.data.sets.blind_event_counts: its tokens
     and the engine's recorded base log p); refused (L47Error) when it holds none — a blind set without a slop
     event cannot sign off slop, and scoring it would burn it for nothing."""
-    from l47.data.sets import blind_event_counts
-    from l47.dumps import read_dump
-
     per: dict[str, int] = {}
     occ: dict[str, int] = {}
     for p in paths:
@@ -1136,12 +1098,6 @@ def score_documents(ctx: AuditContext, progress=None) -> None:
     """One paired (base, bundle) head pass per document. Dev mode: the sets report (events, collateral,
     guards, split; blind documents untouched) takes its base statistics from the same passes.
     progress(set, done, total): called as each document's pass is done (SetTicker)."""
-    from l47.data.sets import build_sets
-    from l47.dumps import read_dump
-    from l47.model.weights import check_dump_dims
-
-    from l47.data.ledger import EV_BLIND_STARTED
-
     sc = Scoring(ctx.w, ctx.W_new, ctx.pts, ctx.special_ids, ctx.finals, sampler_tol=ctx.th.sampler_tol)
     # the ledger first: every document about to be scored (by content), against this bundle. The blind
     # document is burned from here on, and a report stub says so until the verdict replaces it
@@ -1196,8 +1152,6 @@ def score_documents(ctx: AuditContext, progress=None) -> None:
 
 def _identity_stamps(ctx: AuditContext) -> list[str]:
     """Dumps of another model in this audit, and those the bundle's solve record says it was solved with."""
-    from l47.data.identity import other_model_stamp
-
     out = [other_model_stamp(len(ctx.other_model))] if ctx.other_model else []
     return out + [f"solve record: {s}" for s in (ctx.record.stamps if ctx.record is not None else [])]
 
@@ -1205,11 +1159,6 @@ def _identity_stamps(ctx: AuditContext) -> list[str]:
 def write_report(ctx: AuditContext, sh: SharedFigures, figures: dict, bar_list: list) -> AuditReport:
     """Append every scored document to the ledger(s) (the blind one is burned from here on), then write
     report.json / report.md / positions.tsv / plots (staged, then moved in)."""
-    from l47.data.ledger import EV_BLIND_VERDICT
-    from l47.evals.report import write_reports
-
-    from l47.data.sets import content_sha256
-
     args, passed = ctx.args, all(b.passed for b in bar_list)
     blind = ctx.mode == B.MODE_BLIND
     # every threshold moved the way that proves less, and (blind) the own generation not replayed by the engine
@@ -1257,16 +1206,14 @@ def run_audit(args: AuditArgs, progress=None) -> AuditReport:
     return write_report(ctx, sh, figures, B.evaluate(ev, ctx.mode))
 
 
-def _slop_per_set(events, by_sha, vocab, special_ids, sims) -> dict:
-    out = {}
-    for s in dict.fromkeys(e.set for e in events):
-        f = slop_figures([e for e in events if e.set == s], by_sha, vocab, special_ids, sims)
-        f.pop("events", None)
-        out[s] = f
-    return out
+def _slop_per_set(events, by_sha, vocab, special_ids, sims) -> dict[str, SlopFigures]:
+    """Slop figures per set of the sets report (the report's table; the event rows left out)."""
+    return {s: replace(slop_figures([e for e in events if e.set == s], by_sha, vocab, special_ids, sims), events=None)
+            for s in dict.fromkeys(e.set for e in events)}
 
 
-def _blind_comparisons(slop, ordinary, flips, turn_ends, dev, th) -> list[dict]:
+def _blind_comparisons(slop: SlopFigures, ordinary: OrdinaryFigures, flips: FlipFigures, turn_ends: TurnEndFigures,
+                       dev: dict, th: Thresholds) -> list[dict]:
     """Each blind figure beside the dev report's, with its definition (seed §6.3's table)."""
     dchat = dev.get("chat", {})
     dslop = dev.get("slop", {}).get("heldout", {})
@@ -1276,16 +1223,16 @@ def _blind_comparisons(slop, ordinary, flips, turn_ends, dev, th) -> list[dict]:
         return {"figure": name, "blind": b, "dev": d, "blind/dev": ratio, "definition": definition}
 
     return [
-        row("slop residual ratio", slop.get("residual_ratio"), dslop.get("residual_ratio"),
+        row("slop residual ratio", slop.residual_ratio, dslop.get("residual_ratio"),
             f"mean p(rejected) after / before at slop events; bar: blind ≤ {th.blind_residual_factor:g} × dev"),
-        row("slop p before", slop.get("p_before"), dslop.get("p_before"), "mean base p(rejected) at slop events"),
-        row("slop p after", slop.get("p_after"), dslop.get("p_after"), "mean bundle p(rejected) at slop events"),
-        row("(g) non-slop KLD", ordinary.get("kld"), dchat.get("ordinary", {}).get("kld"),
+        row("slop p before", slop.p_before, dslop.get("p_before"), "mean base p(rejected) at slop events"),
+        row("slop p after", slop.p_after, dslop.get("p_after"), "mean bundle p(rejected) at slop events"),
+        row("(g) non-slop KLD", ordinary.kld, dchat.get("ordinary", {}).get("kld"),
             f"mean KL(base ‖ bundle) away from slop; bar ≤ {th.chat_kld:g}"),
-        row("(g) ordinary Δlog p", ordinary.get("mean_dlogp"), dchat.get("ordinary", {}).get("mean_dlogp"),
+        row("(g) ordinary Δlog p", ordinary.mean_dlogp, dchat.get("ordinary", {}).get("mean_dlogp"),
             f"mean Δlog p(target), non-slop non-special targets; bar ≥ {th.chat_ordinary_dlogp:g}"),
-        row("(f) flips to a special token", flips.get("damage"), dchat.get("flips", {}).get("damage"),
+        row("(f) flips to a special token", flips.damage, dchat.get("flips", {}).get("damage"),
             "argmax flips to a special token at non-terminal assistant/think/user positions; bar = 0"),
-        row("(f) Δlog p(<|im_end|>) at turn ends", turn_ends.get("mean_dlogp"),
+        row("(f) Δlog p(<|im_end|>) at turn ends", turn_ends.mean_dlogp,
             dchat.get("turn_ends", {}).get("mean_dlogp"), f"bar ≥ {th.im_end_dlogp:g}"),
     ]

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING
 
-from l47.errors import L47Error
+if TYPE_CHECKING:  # types only: the evidence is made by l47.evals.audit / l47.evals.metrics
+    from l47.data.experiment import Thresholds
+    from l47.evals.figures import (BlindFigures, BundleFigures, ClaimsFigures, CollateralFigures, CountFigures,
+                                   EngineFigures, FlipFigures, OrdinaryFigures, ProxyFigures, RecordFigures,
+                                   SetKld, SlopFigures, SpecialMassFigures, SplitFigures, TurnEndFigures)
 
 GE, LE = ">=", "<="
 DIRECTIONS = (GE, LE)
@@ -57,25 +62,27 @@ class Measure:
 
 @dataclass(frozen=True)
 class Evidence:
-    """Every figure the bars read (plain dicts, JSON-able). Missing figures are empty dicts."""
+    """Every figure the bars read, one typed family each (l47.evals.figures). Both modes carry the bundle and
+    proxy figures; the dev audit's families are None in a blind sign-off and `blind` is None in a dev audit
+    (the registry runs only the bars of the mode)."""
 
-    thresholds: object  # l47.data.experiment.Thresholds
+    thresholds: Thresholds
+    bundle: BundleFigures
+    proxy: ProxyFigures
     mode: str = MODE_DEV
-    bundle: dict = field(default_factory=dict)
-    record: dict = field(default_factory=dict)
-    proxy: dict = field(default_factory=dict)
-    split: dict = field(default_factory=dict)
-    slop: dict = field(default_factory=dict)  # held-out events
-    claims: dict = field(default_factory=dict)
-    collateral: dict = field(default_factory=dict)
-    kld: dict = field(default_factory=dict)  # set name -> KldStats dict
-    engine: dict = field(default_factory=dict)
-    flips: dict = field(default_factory=dict)
-    turn_ends: dict = field(default_factory=dict)
-    special_mass: dict = field(default_factory=dict)
-    ordinary: dict = field(default_factory=dict)
-    blind: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)  # held-out events per phrase, collateral_eval per word / in all
+    record: RecordFigures | None = None
+    split: SplitFigures | None = None
+    slop: SlopFigures | None = None  # held-out events
+    claims: ClaimsFigures | None = None
+    collateral: CollateralFigures | None = None
+    kld: dict[str, SetKld | None] = field(default_factory=dict)  # set name -> its KLD figures
+    engine: EngineFigures | None = None
+    flips: FlipFigures | None = None
+    turn_ends: TurnEndFigures | None = None
+    special_mass: SpecialMassFigures | None = None
+    ordinary: OrdinaryFigures | None = None
+    blind: BlindFigures | None = None
+    counts: CountFigures | None = None  # held-out events per phrase, collateral_eval per word / in all
 
 
 @dataclass(frozen=True)
@@ -168,10 +175,9 @@ def thresholds_used(bars: list[Bar]) -> dict[str, float | None]:
     return {b.name: b.threshold for b in bars}
 
 
-def _need(d: dict, key: str, where: str):
-    if key not in d:
-        raise L47Error("audit", where, f"figure {key!r}", "missing (internal: evidence incomplete)")
-    return d[key]
+def _why_no_record(f: RecordFigures | ClaimsFigures) -> str:
+    """Why a family of the solve record has no figures (no record, or the reason the audit gives)."""
+    return f.why if f.why is not None else "no solve record"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -184,9 +190,9 @@ def _need(d: dict, key: str, where: str):
                      "shape), plus a target whose type or shape changed; must be 0")
 def _bundle_only_target(ev: Evidence) -> Measure:
     b = ev.bundle
-    bad = list(b.get("others_changed", [])) + list(b.get("target_type_shape", []))
-    det = {"changed": bad, "target": b.get("target"), "compared": b.get("compared"), "form": b.get("form")}
-    return Measure(float(len(bad)) if b else None, det, threshold=0.0)
+    bad = list(b.others_changed) + list(b.target_type_shape)
+    det = {"changed": bad, "target": b.target, "compared": b.compared, "form": b.form}
+    return Measure(float(len(bad)), det, threshold=0.0)
 
 
 @register("bundle.target_edited", family="bundle", direction=GE, threshold=None, mode=MODE_BOTH,
@@ -194,8 +200,8 @@ def _bundle_only_target(ev: Evidence) -> Measure:
           "nothing); value = ‖ΔW‖/‖W‖ of the runtime (dequantised) weights, must be > 0")
 def _bundle_target_edited(ev: Evidence) -> Measure:
     b = ev.bundle
-    return Measure(b.get("dw_rel"), {"target": b.get("target"), "blocks_changed": b.get("blocks_changed"),
-                                     "dw_fro": b.get("dw_fro")}, threshold=1e-12)
+    return Measure(b.dw_rel, {"target": b.target, "blocks_changed": b.blocks_changed, "dw_fro": b.dw_fro},
+                   threshold=1e-12)
 
 
 @register("bundle.metadata", family="bundle", direction=LE, threshold=None, mode=MODE_BOTH,
@@ -204,8 +210,7 @@ def _bundle_target_edited(ev: Evidence) -> Measure:
                      "leave base keys out")
 def _bundle_metadata(ev: Evidence) -> Measure:
     b = ev.bundle
-    bad = b.get("metadata_changed")
-    return Measure(None if bad is None else float(len(bad)), {"changed": bad, "omitted": b.get("metadata_omitted")},
+    return Measure(float(len(b.metadata_changed)), {"changed": b.metadata_changed, "omitted": b.metadata_omitted},
                    threshold=0.0)
 
 
@@ -215,8 +220,7 @@ def _bundle_metadata(ev: Evidence) -> Measure:
                      "bundle sha256) that disagree with the tensors actually changed and the files audited")
 def _bundle_scope(ev: Evidence) -> Measure:
     b = ev.bundle
-    bad = b.get("scope_mismatches")
-    return Measure(None if bad is None else float(len(bad)), {"mismatches": bad, "claims": b.get("scope_claims")},
+    return Measure(float(len(b.scope_mismatches)), {"mismatches": b.scope_mismatches, "claims": b.scope_claims},
                    threshold=0.0)
 
 
@@ -232,13 +236,13 @@ def _bundle_scope(ev: Evidence) -> Measure:
                      "(near ln V) is no evidence for bars (f), (g) or the slop bar, and a proxy sits near ln V")
 def _proxy_ce(ev: Evidence) -> Measure:
     p = ev.proxy
-    per = {k: v["ce"] for k, v in p.get("docs", {}).items()}
+    per = {k: v["ce"] for k, v in p.docs.items()}
     worst = max(per, key=per.get) if per else None
-    lim = p.get("limit")
+    lim = p.limit
     over = sorted((k for k, v in per.items() if lim is not None and v > lim), key=lambda k: -per[k])
     return Measure(per[worst] if worst else None,
-                   {"worst_doc": worst, "ce_pooled": p.get("ce_pooled"), "ln_V": p.get("ln_V"),
-                    "tokens": p.get("tokens"), "over_limit": over, "per_doc": per}, threshold=lim)
+                   {"worst_doc": worst, "ce_pooled": p.ce_pooled, "ln_V": p.ln_V,
+                    "tokens": p.tokens, "over_limit": over, "per_doc": per}, threshold=lim)
 
 
 @register("proxy.zero_proxy", family="not a proxy", direction=LE, threshold="zero_proxy_tol", mode=MODE_BOTH,
@@ -249,15 +253,15 @@ def _proxy_ce(ev: Evidence) -> Measure:
                      "\"unverified\"")
 def _proxy_zero(ev: Evidence) -> Measure:
     p = ev.proxy
-    unv = list(p.get("unverified") or [])
-    det = {"unverified": unv, "allow_unverified": bool(p.get("allow_unverified")), "per_doc": p.get("zero_proxy")}
-    if unv and not p.get("allow_unverified"):
+    unv = list(p.unverified or [])
+    det = {"unverified": unv, "allow_unverified": bool(p.allow_unverified), "per_doc": p.zero_proxy}
+    if unv and not p.allow_unverified:
         det["why"] = (f"{len(unv)} scored dump(s) carry no engine log p, so the zero-proxy check cannot run "
                       f"(first: {unv[0]}); re-dump with the engine, or pass --allow-unverified")
         return Measure(None, det)
-    if p.get("zero_proxy_max") is None:  # allowed and nothing verified at all: stamped, not judged
+    if p.zero_proxy_max is None:  # allowed and nothing verified at all: stamped, not judged
         return Measure(None, {**det, "why": "no scored dump is verified (--allow-unverified)"}, applicable=False)
-    return Measure(p.get("zero_proxy_max"), det)
+    return Measure(p.zero_proxy_max, det)
 
 
 @register("proxy.own_generation", family="not a proxy", direction=LE, threshold="sampler_max_violation_frac",
@@ -274,7 +278,7 @@ def _proxy_zero(ev: Evidence) -> Measure:
                      "is stamped weakened (own_generation.replay); in a dev audit, documents that claim no "
                      "generation are not judged")
 def _proxy_own(ev: Evidence) -> Measure:
-    own = ev.proxy.get("own_generation") or {}
+    own = ev.proxy.own_generation or {}
     frac = {k: v["outside"] / v["checked"] for k, v in own.items() if v["checked"]}
     undecided = sorted(k for k, v in own.items() if not v["checked"])
     wider = sorted(k for k, v in own.items() if v.get("wider"))
@@ -304,9 +308,9 @@ def _proxy_own(ev: Evidence) -> Measure:
                      "banned tuple's prefix, whose target is not the tuple's final token, or that cannot be found")
 def _a_prefix(ev: Evidence) -> Measure:
     r = ev.record
-    if not r.get("present"):
-        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
-    return Measure(float(len(r["not_prefix_exact"])), {"n_slop": r["n_slop"], "bad": r["not_prefix_exact"][:50]},
+    if not r.present:
+        return Measure(None, {"why": _why_no_record(r)}, threshold=0.0)
+    return Measure(float(len(r.not_prefix_exact)), {"n_slop": r.n_slop, "bad": r.not_prefix_exact[:50]},
                    threshold=0.0)
 
 
@@ -316,10 +320,9 @@ def _a_prefix(ev: Evidence) -> Measure:
                      "(non-events: suppressing almost-never to almost-never, seed §3 (2)); the audit's own forward")
 def _a_events(ev: Evidence) -> Measure:
     r = ev.record
-    if not r.get("present"):
-        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
-    return Measure(float(len(r["non_events"])), {"n_slop": r["n_slop"], "non_events": r["non_events"][:50]},
-                   threshold=0.0)
+    if not r.present:
+        return Measure(None, {"why": _why_no_record(r)}, threshold=0.0)
+    return Measure(float(len(r.non_events)), {"n_slop": r.n_slop, "non_events": r.non_events[:50]}, threshold=0.0)
 
 
 @register("b.natural", family="(b)", direction=LE, threshold=None, aggregation="count over documents",
@@ -329,9 +332,9 @@ def _a_events(ev: Evidence) -> Measure:
                      "(not in train, or refused by the provenance / word-salad / CE / sampler guards)")
 def _b_natural(ev: Evidence) -> Measure:
     r = ev.record
-    if not r.get("present"):
-        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
-    return Measure(float(len(r["unnatural_docs"])), {"docs": r["unnatural_docs"], "training_docs": r["training_docs"]},
+    if not r.present:
+        return Measure(None, {"why": _why_no_record(r)}, threshold=0.0)
+    return Measure(float(len(r.unnatural_docs)), {"docs": r.unnatural_docs, "training_docs": r.training_docs},
                    threshold=0.0)
 
 
@@ -340,7 +343,7 @@ def _b_natural(ev: Evidence) -> Measure:
           definition="share of slop events held out in documents the solver never saw")
 def _c_frac(ev: Evidence) -> Measure:
     s = ev.split
-    return Measure(s.get("heldout_frac"), {"events": s.get("events")})
+    return Measure(s.heldout_frac, {"events": s.events})
 
 
 @register("c.disjoint", family="(c)", direction=LE, threshold=None, aggregation="count of documents",
@@ -349,9 +352,9 @@ def _c_frac(ev: Evidence) -> Measure:
                      "are also in a scored set (heldout, collateral_eval, chat_heldout, kld.*, blind), by sha256")
 def _c_disjoint(ev: Evidence) -> Measure:
     r = ev.record
-    ov = r.get("overlap")
+    ov = r.overlap
     if ov is None:
-        return Measure(None, {"why": r.get("why", "no solve record")}, threshold=0.0)
+        return Measure(None, {"why": _why_no_record(r)}, threshold=0.0)
     return Measure(float(len(ov)), {"overlap": ov}, threshold=0.0)
 
 
@@ -362,11 +365,10 @@ def _c_disjoint(ev: Evidence) -> Measure:
                      "reduced by at least the bar (in-context copies included; fresh and copies reported apart)")
 def _c_slop(ev: Evidence) -> Measure:
     s = ev.slop
-    per = {k: {kk: v.get(kk) for kk in ("n", "p_before", "p_after", "reduction")}
-           for k, v in s.get("per_phrase", {}).items()}
+    per = {k: {kk: v.get(kk) for kk in ("n", "p_before", "p_after", "reduction")} for k, v in s.per_phrase.items()}
     vals = {k: v["reduction"] for k, v in per.items()}
-    det = {"pooled": s.get("reduction"), "n": s.get("n"), "p_before": s.get("p_before"),
-           "p_after": s.get("p_after"), "fresh": s.get("fresh"), "copies": s.get("copies"), "per_phrase": per}
+    det = {"pooled": s.reduction, "n": s.n, "p_before": s.p_before, "p_after": s.p_after, "fresh": s.fresh,
+           "copies": s.copies, "per_phrase": per}
     if not vals:
         return Measure(None, {**det, "why": "no held-out slop event"})
     if any(v is None for v in vals.values()):
@@ -383,7 +385,7 @@ def _c_slop(ev: Evidence) -> Measure:
           aggregation="min over the experiment's phrases (a phrase with no held-out event counts 0)",
           definition="held-out events per phrase: too few and the per-phrase slop figure is noise (seed §6.3)")
 def _c_min(ev: Evidence) -> Measure:
-    c = ev.counts.get("heldout_per_phrase")
+    c = ev.counts.heldout_per_phrase
     if not c:
         return Measure(None, {"why": "no phrase with a multi-token variant"})
     worst = min(c, key=c.get)
@@ -398,11 +400,11 @@ def _c_min(ev: Evidence) -> Measure:
                      "beside it: the iterations run and the dev residual per phrase at the stop, re-derived)")
 def _claims(ev: Evidence) -> Measure:
     c = ev.claims
-    if not c.get("present"):
-        return Measure(None, {"why": c.get("why", "no solve record")}, threshold=0.0)
-    return Measure(float(len(c["mismatched"])), {"compared": c["compared"], "mismatched": c["mismatched"],
-                                                  "not_rederived": c["not_rederived"],
-                                                  "convergence": c.get("convergence")}, threshold=0.0)
+    if not c.present:
+        return Measure(None, {"why": _why_no_record(c)}, threshold=0.0)
+    return Measure(float(len(c.mismatched)), {"compared": c.compared, "mismatched": c.mismatched,
+                                               "not_rederived": c.not_rederived, "convergence": c.convergence},
+                   threshold=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,8 +416,8 @@ def _claims(ev: Evidence) -> Measure:
           definition="per-word collateral: every final-token word keeps its ordinary uses")
 def _d_word(ev: Evidence) -> Measure:
     c = ev.collateral
-    return Measure(c.get("min_word_mean"), {"n": c.get("n"), "per_word": {
-        k: {kk: v[kk] for kk in ("n", "mean_dlogp", "frac_below", "worst")} for k, v in c.get("per_word", {}).items()}})
+    return Measure(c.min_word_mean, {"n": c.n, "per_word": {
+        k: {kk: v[kk] for kk in ("n", "mean_dlogp", "frac_below", "worst")} for k, v in c.per_word.items()}})
 
 
 @register("d.frac_below", family="(d)", direction=LE, threshold="collateral_frac_below",
@@ -424,8 +426,8 @@ def _d_word(ev: Evidence) -> Measure:
           definition="share of collateral occurrences losing more than |collateral_below| nats")
 def _d_frac(ev: Evidence) -> Measure:
     c = ev.collateral
-    return Measure(c.get("frac_below"), {"n_below": c.get("n_below"), "n": c.get("n"), "per_word_frac": {
-        k: v["frac_below"] for k, v in c.get("per_word", {}).items()}})
+    return Measure(c.frac_below, {"n_below": c.n_below, "n": c.n, "per_word_frac": {
+        k: v["frac_below"] for k, v in c.per_word.items()}})
 
 
 @register("d.min_per_word", family="(d)", direction=GE, threshold="collateral_min_per_word",
@@ -433,7 +435,7 @@ def _d_frac(ev: Evidence) -> Measure:
           definition="ordinary uses of each collateral word in collateral_eval: a word that is not measured is not "
                      "protected (it would silently drop out of d.word_mean)")
 def _d_min_word(ev: Evidence) -> Measure:
-    c = ev.counts.get("collateral_per_word")
+    c = ev.counts.collateral_per_word
     if not c:
         return Measure(None, {"why": "no collateral word"})
     worst = min(c, key=c.get)
@@ -443,7 +445,7 @@ def _d_min_word(ev: Evidence) -> Measure:
 @register("d.min_total", family="(d)", direction=GE, threshold="collateral_min_total",
           aggregation="count over collateral_eval", definition="ordinary uses of the collateral words in all")
 def _d_min_total(ev: Evidence) -> Measure:
-    n = ev.counts.get("collateral_total")
+    n = ev.counts.collateral_total
     return Measure(None if n is None else float(n), {})
 
 
@@ -463,12 +465,12 @@ def _e_kld(ev: Evidence) -> dict[str, Measure] | Measure:
         return Measure(None, {"why": "no kld.<domain> set in the experiment"})
     out = {}
     for k, v in doms.items():
-        pre = (v or {}).get("prefix_rows") or {}
-        out[k[4:]] = Measure(v["kld_mean"] if v else None, {
-            "n": v["n"] if v else 0, "kld_99": v["kld_pct"]["99.0"] if v else None,
-            "same_top": v["same_top"] if v else None, "prefix_rows_n": pre.get("n", 0),
-            "prefix_rows_kld_mean": pre.get("kld_mean"),
-            "all_rows_kld_mean": ((v or {}).get("all_rows") or {}).get("kld_mean")})
+        st, pre, allr = (v.stats, v.prefix_rows, v.all_rows) if v else (None, None, None)
+        out[k[4:]] = Measure(st.kld_mean if st else None, {
+            "n": st.n if st else 0, "kld_99": st.kld_pct["99.0"] if st else None,
+            "same_top": st.same_top if st else None, "prefix_rows_n": pre.n if pre else 0,
+            "prefix_rows_kld_mean": pre.kld_mean if pre else None,
+            "all_rows_kld_mean": allr.kld_mean if allr else None})
     return out
 
 
@@ -478,7 +480,7 @@ def _e_kld(ev: Evidence) -> dict[str, Measure] | Measure:
                      "per kld.<domain>, beside the engine's floor KL(engine base ‖ exact forward base); other sets "
                      "are reported in engine.kld")
 def _e_engine(ev: Evidence) -> dict[str, Measure] | Measure:
-    e = {k: v for k, v in ev.engine.get("kld", {}).items() if k.startswith("kld.")}
+    e = {k: v for k, v in (ev.engine.kld or {}).items() if k.startswith("kld.")}
     if not e:
         return Measure(None, {"why": "no engine logits for both base and bundle on a kld.<domain> document"})
     return {k: Measure(v["kld"], {"floor": v.get("floor"), "tail_kld": v.get("tail_kld")}) for k, v in e.items()}
@@ -489,7 +491,7 @@ def _e_engine(ev: Evidence) -> dict[str, Measure] | Measure:
           definition="where the engine ran the transplanted bundle: |its log p(target) − the tail forward's "
                      "prediction for the edited model| / max(1, |log p|)")
 def _engine_zp(ev: Evidence) -> Measure:
-    e = ev.engine.get("zero_proxy_edited")
+    e = ev.engine.zero_proxy_edited
     return Measure(None if not e else max(v["max_rel"] for v in e.values()), {"per_doc": e})
 
 
@@ -502,9 +504,9 @@ def _engine_zp(ev: Evidence) -> Measure:
                      "assistant, think and user positions other than user-turn openers (others listed, not failed)")
 def _f_flips(ev: Evidence) -> Measure:
     f = ev.flips
-    if not f.get("docs"):
+    if not f.docs:
         return Measure(None, {"why": "no chat-formatted document was scored"}, threshold=0.0)
-    return Measure(float(f["damage"]), {"docs": f["docs"], "by_kind": f["by_kind"]}, threshold=0.0)
+    return Measure(float(f.damage), {"docs": f.docs, "by_kind": f.by_kind}, threshold=0.0)
 
 
 @register("f.special_mass", family="(f)", direction=LE, threshold="special_rise_tol",
@@ -512,7 +514,7 @@ def _f_flips(ev: Evidence) -> Measure:
           definition="no rise of the special tokens' mean probability at slop positions")
 def _f_mass(ev: Evidence) -> Measure:
     s = ev.special_mass
-    return Measure(s.get("max_rise"), {"per_split": s.get("per_split")})
+    return Measure(s.max_rise, {"per_split": s.per_split})
 
 
 @register("f.turn_end_argmax", family="(f)", direction=LE, threshold=None,
@@ -521,11 +523,11 @@ def _f_mass(ev: Evidence) -> Measure:
           definition="real turn ends where <|im_end|> was the base argmax and no longer is")
 def _f_te_arg(ev: Evidence) -> Measure:
     t = ev.turn_ends
-    if not t.get("n"):
+    if not t.n:
         return Measure(None, {"why": "no unprotected real turn end (<|im_end|> target) in the chat documents",
-                              "protected": t.get("protected")}, threshold=0.0)
-    return Measure(float(t["lost"]), {"n": t["n"], "was_argmax": t["was_argmax"], "lost": t["lost_rows"],
-                                      "protected": t.get("protected")}, threshold=0.0)
+                              "protected": t.protected}, threshold=0.0)
+    return Measure(float(t.lost), {"n": t.n, "was_argmax": t.was_argmax, "lost": t.lost_rows,
+                                   "protected": t.protected}, threshold=0.0)
 
 
 @register("f.turn_end_dlogp", family="(f)", direction=GE, threshold="im_end_dlogp",
@@ -533,7 +535,7 @@ def _f_te_arg(ev: Evidence) -> Measure:
           definition="Δlog p(<|im_end|>) where it is the true next token")
 def _f_te_dl(ev: Evidence) -> Measure:
     t = ev.turn_ends
-    return Measure(t.get("mean_dlogp"), {"n": t.get("n"), "min": t.get("min_dlogp"), "protected": t.get("protected")})
+    return Measure(t.mean_dlogp, {"n": t.n, "min": t.min_dlogp, "protected": t.protected})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -545,7 +547,8 @@ def _f_te_dl(ev: Evidence) -> Measure:
           definition="ordinary tokens of held-out chat keep their probability")
 def _g_dl(ev: Evidence) -> Measure:
     o = ev.ordinary
-    return Measure(o.get("mean_dlogp"), {k: o.get(k) for k in ("docs", "n_ordinary", "median_dlogp", "frac_below")})
+    return Measure(o.mean_dlogp, {"docs": o.docs, "n_ordinary": o.n_ordinary, "median_dlogp": o.median_dlogp,
+                                  "frac_below": o.frac_below})
 
 
 G_ROWS = ("mean over the positions that are not prefix-exact (l47.dumps.select.prefix_rows: the events and the "
@@ -557,7 +560,7 @@ G_ROWS = ("mean over the positions that are not prefix-exact (l47.dumps.select.p
           definition="KL(base ‖ bundle) on held-out chat away from slop positions")
 def _g_kld(ev: Evidence) -> Measure:
     o = ev.ordinary
-    return Measure(o.get("kld"), {"n_non_slop": o.get("n_non_slop"), "prefix_rows": o.get("prefix_rows")})
+    return Measure(o.kld, {"n_non_slop": o.n_non_slop, "prefix_rows": o.prefix_rows})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -570,8 +573,8 @@ def _g_kld(ev: Evidence) -> Measure:
           "mismatch is refused before the blind set is scored")
 def _blind_sha(ev: Evidence) -> Measure:
     b = ev.blind
-    return Measure(1.0 if b.get("bundle_sha256") and b.get("bundle_sha256") == b.get("dev_bundle_sha256") else 0.0,
-                   {"bundle": b.get("bundle_sha256"), "dev_report": b.get("dev_bundle_sha256")}, threshold=1.0)
+    return Measure(1.0 if b.bundle_sha256 and b.bundle_sha256 == b.dev_bundle_sha256 else 0.0,
+                   {"bundle": b.bundle_sha256, "dev_report": b.dev_bundle_sha256}, threshold=1.0)
 
 
 @register("blind.never_scored", family="blind", direction=GE, threshold=None, mode=MODE_BLIND,
@@ -579,36 +582,34 @@ def _blind_sha(ev: Evidence) -> Measure:
           "dev report or the solve record (refused before scoring otherwise); it is scored once, now")
 def _blind_once(ev: Evidence) -> Measure:
     b = ev.blind
-    return Measure(1.0 if b.get("never_scored") else 0.0, {"doc": b.get("doc_sha256"), "ledgers": b.get("ledgers")},
-                   threshold=1.0)
+    return Measure(1.0 if b.never_scored else 0.0, {"doc": b.doc_sha256, "ledgers": b.ledgers}, threshold=1.0)
 
 
-def _blind_part(key: str, fn: Callable[[dict], Measure]) -> Callable[[Evidence], Measure]:
-    return lambda ev: fn(ev.blind.get(key, {}))
+def _blind_part(key: str, fn: Callable) -> Callable[[Evidence], Measure]:
+    """A dev bar's measure on the blind set: `fn` of the blind figures' family `key` (flips, turn_ends, ...)."""
+    return lambda ev: fn(getattr(ev.blind, key))
 
 
 register("blind.f.flips", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
          aggregation="count", definition="(f) flips to a special token on the blind set")(
-    _blind_part("flips", lambda f: Measure(float(f["damage"]) if f.get("docs") else None,
-                                           {"by_kind": f.get("by_kind")}, threshold=0.0)))
+    _blind_part("flips", lambda f: Measure(float(f.damage) if f.docs else None, {"by_kind": f.by_kind},
+                                           threshold=0.0)))
 register("blind.f.special_mass", family="blind", direction=LE, threshold="special_rise_tol", mode=MODE_BLIND,
          aggregation="mean after − mean before at the blind set's slop events",
          definition="(f) no rise of special-token mass at slop positions")(
-    _blind_part("special_mass", lambda s: Measure(s.get("max_rise"), {"per_split": s.get("per_split")})))
+    _blind_part("special_mass", lambda s: Measure(s.max_rise, {"per_split": s.per_split})))
 register("blind.f.turn_end_argmax", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
          aggregation="count", definition="(f) real turn ends losing the <|im_end|> argmax")(
-    _blind_part("turn_ends", lambda t: Measure(float(t["lost"]) if t.get("n") else None, {"n": t.get("n")},
-                                               threshold=0.0)))
+    _blind_part("turn_ends", lambda t: Measure(float(t.lost) if t.n else None, {"n": t.n}, threshold=0.0)))
 register("blind.f.turn_end_dlogp", family="blind", direction=GE, threshold="im_end_dlogp", mode=MODE_BLIND,
          aggregation="mean", definition="(f) mean Δlog p(<|im_end|>) at real turn ends")(
-    _blind_part("turn_ends", lambda t: Measure(t.get("mean_dlogp"), {"n": t.get("n")})))
+    _blind_part("turn_ends", lambda t: Measure(t.mean_dlogp, {"n": t.n})))
 register("blind.g.ordinary_dlogp", family="blind", direction=GE, threshold="chat_ordinary_dlogp", mode=MODE_BLIND,
          aggregation="mean over ordinary tokens", definition="(g) ordinary-token mean Δlog p on the blind set")(
-    _blind_part("ordinary", lambda o: Measure(o.get("mean_dlogp"), {"n": o.get("n_ordinary")})))
+    _blind_part("ordinary", lambda o: Measure(o.mean_dlogp, {"n": o.n_ordinary})))
 register("blind.g.kld", family="blind", direction=LE, threshold="chat_kld", mode=MODE_BLIND,
          aggregation=G_ROWS, definition="(g) KLD on the blind set away from slop")(
-    _blind_part("ordinary", lambda o: Measure(o.get("kld"), {"n": o.get("n_non_slop"),
-                                                              "prefix_rows": o.get("prefix_rows")})))
+    _blind_part("ordinary", lambda o: Measure(o.kld, {"n": o.n_non_slop, "prefix_rows": o.prefix_rows})))
 
 
 @register("blind.slop_residual", family="blind", direction=LE, threshold=None, mode=MODE_BLIND,
@@ -619,13 +620,12 @@ register("blind.g.kld", family="blind", direction=LE, threshold="chat_kld", mode
                      "held-out residual ratio")
 def _blind_resid(ev: Evidence) -> Measure:
     b = ev.blind
-    s = b.get("slop", {})
-    dev = b.get("dev_residual_ratio")
+    s = b.slop
+    dev = b.dev_residual_ratio
     thr = None if dev is None else ev.thresholds.blind_residual_factor * dev
-    det = {"n": s.get("n"), "p_before": s.get("p_before"), "p_after": s.get("p_after"), "dev_residual_ratio": dev,
-           "factor": ev.thresholds.blind_residual_factor,
-           "absolute_residual_vs_dev": b.get("absolute_residual_vs_dev")}
-    return Measure(s.get("residual_ratio"), det, threshold=thr)
+    det = {"n": s.n, "p_before": s.p_before, "p_after": s.p_after, "dev_residual_ratio": dev,
+           "factor": ev.thresholds.blind_residual_factor, "absolute_residual_vs_dev": b.absolute_residual_vs_dev}
+    return Measure(s.residual_ratio, det, threshold=thr)
 
 
 @register("blind.slop_residual_abs", family="blind", direction=LE, threshold="blind_residual_abs", mode=MODE_BLIND,
@@ -634,7 +634,7 @@ def _blind_resid(ev: Evidence) -> Measure:
           definition="slop residual ratio of EACH phrase present on the blind set, an absolute bar (the "
                      "seed's blind level): a bundle that removes almost nothing fails it whatever the dev report says")
 def _blind_resid_abs(ev: Evidence) -> Measure:
-    per = {k: v.get("residual_ratio") for k, v in ev.blind.get("slop", {}).get("per_phrase", {}).items()}
+    per = {k: v.get("residual_ratio") for k, v in ev.blind.slop.per_phrase.items()}
     if not per:
         return Measure(None, {"why": "no slop event in the blind set: nothing to sign off on"})
     if any(v is None for v in per.values()):
@@ -646,15 +646,13 @@ def _blind_resid_abs(ev: Evidence) -> Measure:
 # ----------------------------------------------------------------------------------------------------------
 # stamps on the report's summary line
 
-def weakened(thresholds) -> list[dict]:
+def weakened(thresholds: Thresholds) -> list[dict]:
     """Every threshold moved from its default in the way that proves less (threshold_directions: one rule, read
     from the registry), as {key, default, value, weaker, bar}; a report with any is stamped "weakened". Moving a
     threshold the other way (a stricter audit) is not a weakening."""
-    from dataclasses import fields as dc_fields
-
     ways = threshold_directions()
     out = []
-    for f in dc_fields(thresholds):
+    for f in fields(thresholds):
         if f.name not in ways:
             continue
         way, bar = ways[f.name]
@@ -676,7 +674,7 @@ def weakened_text(item: dict) -> str:
     return f"{item['key']} {v} (default {d})"
 
 
-def stamps(thresholds, proxy: dict, weakenings: list[dict] | None = None) -> list[str]:
+def stamps(thresholds: Thresholds, proxy: ProxyFigures | None, weakenings: list[dict] | None = None) -> list[str]:
     """The report's stamps: "weakened: …" when a bar was made easier (`weakenings`: weakened(thresholds) and
     any evidence the run could not gather, e.g. NOT_REPLAYED), "unverified: …" when dumps without the engine's
     own log p were accepted (--allow-unverified)."""
@@ -684,6 +682,6 @@ def stamps(thresholds, proxy: dict, weakenings: list[dict] | None = None) -> lis
     w = weakened(thresholds) if weakenings is None else weakenings
     if w:
         out.append("weakened: " + ", ".join(weakened_text(x) for x in w))
-    if proxy.get("unverified") and proxy.get("allow_unverified"):
-        out.append(f"unverified: {len(proxy['unverified'])} dump(s) without engine log p")
+    if proxy is not None and proxy.unverified and proxy.allow_unverified:
+        out.append(f"unverified: {len(proxy.unverified)} dump(s) without engine log p")
     return out

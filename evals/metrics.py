@@ -15,13 +15,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
+import torch
 
+from l47.data.experiment import Experiment
+from l47.data.sets import SAMPLER_TOPK, sampler_wider
 from l47.data.uncertainty import POOLED, residual_intervals, settings
-from l47.model import names
+from l47.dumps import DumpMeta
+from l47.dumps.select import (ChatStructure, SamplerCheck, chat_structure, claims_generation, find_events,
+                              generation_check, prefix_rows)
 from l47.errors import L47Error
+from l47.evals.figures import (CollateralFigures, FlipFigures, OrdinaryFigures, ProxyFigures, SlopFigures,
+                               SpecialMassFigures, TurnEndFigures)
+from l47.model import names
+from l47.model.gguf_io import GGUFFile
+from l47.model.vocab import Vocab, resolve_vocab
+from l47.model.weights import TailWeights
+from l47.tail.forward import PairedStats, score_pair
 
 SPECIAL = "special"  # token_sets key: the model's special tokens
 FINALS = "finals"  # token_sets key: the banned tuples' final tokens
@@ -29,10 +42,8 @@ CONTEXT_TOKENS = 16  # tokens of context decoded for flips and examples
 CHAT_ROLES = (names.ROLE_ID["assistant"], names.ROLE_ID["think"], names.ROLE_ID["user"])
 
 
-def load_vocab(exp, base, V: int):
+def load_vocab(exp: Experiment, base: GGUFFile | Path | str, V: int) -> Vocab:
     """The model's vocabulary as the experiment names it; refused when its ids do not fit the head."""
-    from l47.model.vocab import resolve_vocab
-
     v = resolve_vocab(getattr(exp, "vocab", "auto"), base, V)
     missing = [s for s in (names.IM_END, names.IM_START) if s not in v.special_ids]
     if missing:
@@ -65,15 +76,15 @@ class DocResult:
     doc_id: str
     tokens: np.ndarray  # [T+1] int64
     role: np.ndarray  # [T] uint8
-    ps: object  # l47.tail.forward.PairedStats (base / new HeadStats with set_logp[SPECIAL] [T, S], [FINALS] [T, F])
-    chat: object  # l47.dumps.select.ChatStructure
+    ps: PairedStats  # base / new HeadStats with set_logp[SPECIAL] [T, S], [FINALS] [T, F]
+    chat: ChatStructure
     slop_rows: np.ndarray  # [T] bool: prefix-exact positions of any banned tuple (events and non-events)
     verified: bool
     ref_logp: np.ndarray | None  # [T] the engine's own log p(target), when dumped
     refused: bool
     reasons: tuple[str, ...]
-    meta: object  # DumpMeta
-    sampler: object = None  # l47.dumps.select.SamplerCheck of the rows it claims generated (None: claims none)
+    meta: DumpMeta
+    sampler: SamplerCheck | None = None  # of the rows it claims generated (None: claims none)
 
     @property
     def T(self) -> int:
@@ -93,8 +104,8 @@ class Scoring:
     """What every document of an audit is scored with: the runtime weights, the edited W_sd (the bundle's
     values), the banned tuples and the token sets whose log p is kept per position."""
 
-    w: object  # l47.model.weights.TailWeights
-    W_new: object  # [n, f] torch f32: the bundle's W_sd
+    w: TailWeights
+    W_new: torch.Tensor  # [n, f] f32: the bundle's W_sd
     phrase_tuples: Sequence  # [PhraseTuples]
     special_ids: Mapping[str, int]
     finals: Sequence[int]
@@ -106,8 +117,6 @@ class Scoring:
 
     def pair(self, dump, topk: int | None = None):
         """One paired (base, bundle) streamed head pass over the dump -> PairedStats with `topk` columns."""
-        from l47.tail.forward import score_pair
-
         spec = sorted(set(int(i) for i in self.special_ids.values()))
         return score_pair(self.w, dump, self.W_new, token_ids={SPECIAL: spec, FINALS: list(self.finals)},
                           topk=topk or self.topk)
@@ -115,8 +124,6 @@ class Scoring:
 
 def top_k_of(h, k: int):
     """The first k top-k columns of a HeadStats (the top-k of a wider pass, same order)."""
-    from dataclasses import replace
-
     return h if h.top_ids.shape[1] <= k else replace(h, top_ids=h.top_ids[:, :k], top_logp=h.top_logp[:, :k])
 
 
@@ -124,11 +131,6 @@ def score_document(sc: Scoring, dump, set_name: str, refused: bool = False, reas
                    ps=None) -> DocResult:
     """Paired exact scoring of one dump (base = the model's W_sd, new = sc.W_new); `ps`: the PairedStats of a
     pass already made (any top-k width >= sc.topk), else one pass here."""
-    from dataclasses import replace
-
-    from l47.data.sets import SAMPLER_TOPK
-    from l47.dumps.select import chat_structure, claims_generation, find_events, generation_check, prefix_rows
-
     if ps is None:  # a document that claims to be generated keeps the top-k its sampler check reads
         ps = sc.pair(dump, max(sc.topk, SAMPLER_TOPK) if claims_generation(dump.meta.provenance) else None)
     tokens = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
@@ -167,10 +169,12 @@ def _mean(x) -> float | None:
 # not a proxy
 
 
-def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float) -> dict:
+def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float,
+                  allow_unverified: bool = False) -> ProxyFigures:
     """Base CE over content targets per document (a proxy sits near ln V), the zero-proxy agreement of the
     tail forward with the engine's own log p (relative |Δ| = |Δ log p| / max(1, |log p|)), and, for every
-    document that claims generated text, how many of those tokens its recorded sampler could not have drawn."""
+    document that claims generated text, how many of those tokens its recorded sampler could not have drawn
+    (`wider`: a declared sampler the check cannot bound, l47.data.sets.sampler_wider, which proves nothing)."""
     per, zp, own = {}, {}, {}
     tmpl = names.ROLE_ID["template"]
     nll_sum, n_tok = 0.0, 0  # pooled over every content target of every scored document (f64)
@@ -188,12 +192,16 @@ def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float)
         if d.sampler is not None:  # the document claims generated text: is it in its sampler's support?
             own[d.path] = {"set": d.set, "checked": d.sampler.checked, "undecided": d.sampler.undecided,
                            "outside": len(d.sampler.violations), "first_rows": list(d.sampler.violations[:5])}
+            wider = sampler_wider(d.meta.provenance)
+            if wider:
+                own[d.path]["wider"] = wider
     ce_max = max((v["ce"] for v in per.values()), default=None)
     ce_pooled = nll_sum / n_tok if n_tok else None
-    return {"ln_V": math.log(V), "limit": ce_frac * math.log(V), "ce_max": ce_max, "ce_pooled": ce_pooled,
-            "tokens": n_tok, "docs": per,
-            "zero_proxy": zp, "zero_proxy_max": max((v["max_rel"] for v in zp.values()), default=None),
-            "unverified": sorted(d.path for d in docs if not d.verified), "tol": tol, "own_generation": own}
+    return ProxyFigures(ln_V=math.log(V), limit=ce_frac * math.log(V), ce_max=ce_max, ce_pooled=ce_pooled,
+                        tokens=n_tok, docs=per, zero_proxy=zp,
+                        zero_proxy_max=max((v["max_rel"] for v in zp.values()), default=None),
+                        unverified=sorted(d.path for d in docs if not d.verified), tol=tol, own_generation=own,
+                        allow_unverified=allow_unverified)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,7 +209,7 @@ def proxy_figures(docs: Iterable[DocResult], V: int, ce_frac: float, tol: float)
 
 
 def slop_figures(events, by_sha: Mapping[str, DocResult], vocab, special_ids: Mapping[str, int],
-                 penalty: Mapping[str, Mapping] | None = None) -> dict:
+                 penalty: Mapping[str, Mapping] | None = None) -> SlopFigures:
     """Mean p(rejected) before/after at the given events (EventRecord list), per phrase, with in-context copies
     apart; the new argmax and the special-token mass at each event. `penalty`: doc sha → {"alone": Simulated,
     "stacked": Simulated} for the sampler-penalty columns."""
@@ -249,22 +257,22 @@ def slop_figures(events, by_sha: Mapping[str, DocResult], vocab, special_ids: Ma
 
     phrases = list(dict.fromkeys(r["phrase"] for r in rows))
     boot = residual_intervals(rows)  # phrase / "(all)" -> residual_interval, n_docs (bootstrap over documents)
-    return {
+    return SlopFigures(
         **agg(rows), **boot[POOLED],
-        "fresh": agg([r for r in rows if not r["copy"]]),
-        "copies": agg([r for r in rows if r["copy"]]),
-        "per_phrase": {p: {**agg([r for r in rows if r["phrase"] == p]), **boot[p],
-                           "copies": sum(r["copy"] for r in rows if r["phrase"] == p)} for p in phrases},
-        "bootstrap": settings(),
-        "events": rows,
-    }
+        fresh=agg([r for r in rows if not r["copy"]]),
+        copies=agg([r for r in rows if r["copy"]]),
+        per_phrase={p: {**agg([r for r in rows if r["phrase"] == p]), **boot[p],
+                        "copies": sum(r["copy"] for r in rows if r["phrase"] == p)} for p in phrases},
+        bootstrap=settings(),
+        events=rows,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # collateral
 
 
-def collateral_figures(collateral, by_sha: Mapping[str, DocResult], vocab, below: float) -> dict:
+def collateral_figures(collateral, by_sha: Mapping[str, DocResult], vocab, below: float) -> CollateralFigures:
     """Per word mean Δlog p(target) at ordinary uses (CollateralRecord list), the fraction below `below`, the
     worst occurrence with its context; pooled fraction."""
     rows = []
@@ -282,10 +290,10 @@ def collateral_figures(collateral, by_sha: Mapping[str, DocResult], vocab, below
                    "frac_below": float((x < below).mean()), "worst": worst["dlogp"],
                    "worst_context": worst["context"], "worst_p": (worst["p_before"], worst["p_after"])}
     x = np.array([r["dlogp"] for r in rows])
-    return {"n": len(rows), "mean_dlogp": _mean(x), "n_below": int((x < below).sum()) if x.size else 0,
-            "frac_below": float((x < below).mean()) if x.size else None,
-            "min_word_mean": min((v["mean_dlogp"] for v in per.values()), default=None),
-            "per_word": per, "rows": rows}
+    return CollateralFigures(n=len(rows), mean_dlogp=_mean(x), n_below=int((x < below).sum()) if x.size else 0,
+                             frac_below=float((x < below).mean()) if x.size else None,
+                             min_word_mean=min((v["mean_dlogp"] for v in per.values()), default=None),
+                             per_word=per, rows=rows)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -300,7 +308,7 @@ FLIP_OTHER_ROLE = "to-special at a system/tool/template position"
 FLIP_AWAY = "away from special"
 
 
-def flip_figures(docs: Iterable[DocResult], vocab, special_ids: Mapping[str, int]) -> dict:
+def flip_figures(docs: Iterable[DocResult], vocab, special_ids: Mapping[str, int]) -> FlipFigures:
     """Argmax flips involving a special token on every chat-formatted document, classified (seed §6.1–6.3):
     a flip TO a special token at a non-terminal assistant / think / user position that is not a user-turn
     opener is damage; opener flips, fixes (the special is the true next token), flips at other roles and flips
@@ -337,8 +345,7 @@ def flip_figures(docs: Iterable[DocResult], vocab, special_ids: Mapping[str, int
     kinds = {}
     for f in flips:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
-    return {"docs": n_docs, "positions": n_pos, "damage": kinds.get(FLIP_DAMAGE, 0), "by_kind": kinds,
-            "flips": flips}
+    return FlipFigures(docs=n_docs, positions=n_pos, damage=kinds.get(FLIP_DAMAGE, 0), by_kind=kinds, flips=flips)
 
 
 def _lost_margins(ps, t: int) -> dict:
@@ -350,7 +357,7 @@ def _lost_margins(ps, t: int) -> dict:
 
 
 def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
-                     protected: frozenset | set = frozenset()) -> dict:
+                     protected: frozenset | set = frozenset()) -> TurnEndFigures:
     """At real turn ends (target <|im_end|>): does <|im_end|> stay the argmax where it was; mean Δlog p of it.
     Turn ends in `protected` ((doc sha256, row) pairs the solver held fixed: in-sample) are left out of the
     figures and summarised apart under "protected"."""
@@ -373,12 +380,13 @@ def turn_end_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
                     kept += 1
                 else:
                     lost.append({"doc": d.path, "pos": t, "dlogp": float(d.ps.dlogp[t]), **_lost_margins(d.ps, t)})
-    return {"n": n, "was_argmax": was, "kept": kept, "lost": len(lost), "lost_rows": lost,
-            "mean_dlogp": _mean(dl), "min_dlogp": min(dl, default=None),
-            "protected": {"n": len(pdl), "lost": plost, "mean_dlogp": _mean(pdl)}}
+    return TurnEndFigures(n=n, was_argmax=was, kept=kept, lost=len(lost), lost_rows=lost, mean_dlogp=_mean(dl),
+                          min_dlogp=min(dl, default=None),
+                          protected={"n": len(pdl), "lost": plost, "mean_dlogp": _mean(pdl)})
 
 
-def ordinary_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int], below: float = -0.1) -> dict:
+def ordinary_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int],
+                     below: float = -0.1) -> OrdinaryFigures:
     """(g): on the given (held-out chat) documents, ordinary-token mean Δlog p (not a slop position, target
     not special) and the mean KLD over non-slop positions. Slop positions are the prefix-exact rows
     (l47.dumps.select.prefix_rows: the events and the near misses, where moving mass off the banned word is
@@ -397,15 +405,15 @@ def ordinary_figures(docs: Iterable[DocResult], special_ids: Mapping[str, int], 
     x = np.concatenate(dl) if dl else np.zeros(0)
     k = np.concatenate(kl) if kl else np.zeros(0)
     pre_k = np.concatenate(pk) if pk else np.zeros(0)
-    return {"docs": n_doc, "n_ordinary": int(x.size), "mean_dlogp": _mean(x),
-            "median_dlogp": float(np.median(x)) if x.size else None,
-            "frac_below": float((x < below).mean()) if x.size else None, "n_non_slop": int(k.size),
-            "kld": _mean(k),
-            "prefix_rows": {"n": int(pre_k.size), "kld_mean": _mean(pre_k),
-                            "target_dlogp_mean": _mean(np.concatenate(pdl) if pdl else np.zeros(0))}}
+    return OrdinaryFigures(docs=n_doc, n_ordinary=int(x.size), mean_dlogp=_mean(x),
+                           median_dlogp=float(np.median(x)) if x.size else None,
+                           frac_below=float((x < below).mean()) if x.size else None, n_non_slop=int(k.size),
+                           kld=_mean(k),
+                           prefix_rows={"n": int(pre_k.size), "kld_mean": _mean(pre_k),
+                                        "target_dlogp_mean": _mean(np.concatenate(pdl) if pdl else np.zeros(0))})
 
 
-def special_mass_figures(events, by_sha: Mapping[str, DocResult]) -> dict:
+def special_mass_figures(events, by_sha: Mapping[str, DocResult]) -> SpecialMassFigures:
     """Mean total probability of the special tokens at slop event positions, before and after, per split."""
     acc: dict[str, tuple[list, list]] = {}
     for e in events:
@@ -417,4 +425,4 @@ def special_mass_figures(events, by_sha: Mapping[str, DocResult]) -> dict:
         a[1].append(float(np.exp(d.ps.new.set_logp[SPECIAL][e.pos]).sum()))
     out = {s: {"n": len(b), "before": _mean(b), "after": _mean(a), "rise": _mean(a) - _mean(b)}
            for s, (b, a) in acc.items()}
-    return {"per_split": out, "max_rise": max((v["rise"] for v in out.values()), default=None)}
+    return SpecialMassFigures(per_split=out, max_rise=max((v["rise"] for v in out.values()), default=None))

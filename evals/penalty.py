@@ -32,14 +32,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from l47.fileio import write_text_atomic
+from l47.data.experiment import load_experiment
+from l47.data.ledger import Ledger
+from l47.data.sets import build_sets
+from l47.dumps import read_dump
 from l47.errors import L47Error
 from l47.evals.metrics import FINALS as FINALS_KEY  # HeadStats.set_logp key of the penalised final tokens
+from l47.evals.metrics import load_vocab
+from l47.fileio import read_json, write_text_atomic
+from l47.model.weights import check_dump_dims, edited_weight, load_tail_weights
+from l47.tail.forward import score_dump, score_pair
 
 PENALTY_SCHEMA = "l47.penalty/1"
 FORM_EXACT = "prefix-exact"
@@ -91,7 +98,6 @@ class PenaltySpec:
 
 
 def read_spec(path) -> PenaltySpec:
-    from l47.fileio import read_json
 
     path = Path(path)
     d = read_json(path, "penalty spec")
@@ -393,10 +399,6 @@ def run_penalty(args: PenaltyArgs) -> PenaltyResult:
     events of `args.sets` (alone, and stacked on `args.bundle`), with the cheap forms' extra hits.
 
     weights + sets + spec (`_penalty_plan`) -> each document scored and penalised -> spec JSON + result."""
-    from l47.dumps import read_dump
-    from l47.tail.forward import score_dump, score_pair
-    from l47.model.weights import check_dump_dims
-
     w, vocab, rep, spec, W_new = _penalty_plan(args)
     finals = list(spec.finals)
     topk = max(5, len(finals) + 2)
@@ -421,13 +423,7 @@ def run_penalty(args: PenaltyArgs) -> PenaltyResult:
 def _penalty_plan(args: PenaltyArgs):
     """The base weights, vocabulary, sets report (blind documents never touched; every scored document in the
     ledger first), the spec from its phrases and the bundle's weight -> (w, vocab, report, spec, W_new | None)."""
-    from dataclasses import replace
 
-    from l47.data.experiment import load_experiment
-    from l47.data.ledger import Ledger
-    from l47.data.sets import build_sets
-    from l47.evals.metrics import load_vocab
-    from l47.model.weights import edited_weight, load_tail_weights
 
     exp = load_experiment(args.experiment)
     base = args.base or exp.model

@@ -8,9 +8,12 @@ A plot without data is skipped (its name is not returned).
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
+
+from l47.fileio import write_bytes_atomic
 
 
 def _fig(w: float = 8.0, h: float = 4.5):
@@ -141,9 +144,7 @@ def plot_sweep(path: Path, sweep) -> str:
     per phrase (small markers), worst phrase (line) and pooled (squares) vs its exact background KL, the markers
     with their 90 % intervals over dev documents as error bars; the KL budget as a vertical line, the chosen
     candidate ringed."""
-    import io
 
-    from l47.fileio import write_bytes_atomic
 
     cs = sorted(sweep.candidates, key=lambda c: c.background_kl_exact)
     kl = np.array([c.background_kl_exact for c in cs])

@@ -17,6 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from l47.evals.metrics import SPECIAL, tok_text
+from l47.evals.plots import write_plots
+from l47.fileio import deferred_interrupts, staging_dir
+from l47.model import names
+
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 POSITIONS_TSV = "positions.tsv"
@@ -402,9 +407,6 @@ def _floats(a, T: int) -> list[float]:
 def _doc_rows(d, vocab, spec: np.ndarray, sims, caches: tuple[dict, dict]) -> list[str]:
     """The TSV lines of one document, built column by column (each distinct token decoded once, the kinds by one
     np.select) and formatted a line at a time by one template: the same bytes as formatting every cell apart."""
-    from l47.model import names
-    from l47.evals.metrics import SPECIAL, tok_text
-
     T = d.T
     if T == 0:
         return []
@@ -447,7 +449,6 @@ def render_tsv(docs, vocab, special_ids, sims) -> str:
 def write_reports(out: Path, report: dict, docs, vocab, special_ids, sims, plots: bool = True) -> dict[str, str]:
     """Write report.json, report.md, positions.tsv and the plots into `out` (staged, then moved in)."""
     out = Path(out)
-    from l47.fileio import deferred_interrupts, staging_dir
 
     with staging_dir(out / ".l47-audit") as stage:
         (stage / REPORT_JSON).write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False))
@@ -455,8 +456,6 @@ def write_reports(out: Path, report: dict, docs, vocab, special_ids, sims, plots
         (stage / POSITIONS_TSV).write_text(render_tsv(docs, vocab, special_ids, sims))
         names = [REPORT_JSON, REPORT_MD, POSITIONS_TSV]
         if plots:
-            from l47.evals.plots import write_plots
-
             (stage / PLOTS_DIR).mkdir()
             names += [f"{PLOTS_DIR}/{p}" for p in write_plots(stage / PLOTS_DIR, report, docs)]
         files = {}

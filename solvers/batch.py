@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from l47.tail.forward import logits_at, mix_from_ys, streamed_lse, tail_mix
+from l47.errors import L47Error
 from l47.model.weights import TailWeights, as_f32
+from l47.tail.forward import head_stats, logits_at, mix_from_ys, streamed_lse, tail_mix
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,6 @@ def gather(items: list[tuple[object, list[int]]], device) -> Batch:
         docs += [d.sha256] * len(idx)
         poss += [int(i) for i in idx]
     if not docs:
-        from l47.errors import L47Error
-
         raise L47Error("solve", "positions", "at least one position in this batch", "none")
     cat = {k: torch.cat(v, 0) for k, v in parts.items()}
     return Batch(doc=tuple(docs), pos=tuple(poss), **cat)
@@ -102,8 +101,6 @@ class EventTerms:
 def pick_chosen(b: Batch, w: TailWeights, rejected: torch.Tensor, special_ids: list[int], k: int = 1,
                 pool: int = 16) -> torch.Tensor:
     """Each event's top-k base tokens that are neither the rejected token nor a special token. [P, k]"""
-    from l47.tail.forward import head_stats
-
     with torch.no_grad():
         st = head_stats(batch_mix(b, w), w, b.target.cpu().numpy(), topk=pool)
     bad = set(int(s) for s in special_ids)
@@ -111,8 +108,6 @@ def pick_chosen(b: Batch, w: TailWeights, rejected: torch.Tensor, special_ids: l
     for i in range(b.P):
         cand = [int(t) for t in st.top_ids[i] if int(t) != int(rejected[i]) and int(t) not in bad][:k]
         if len(cand) < k:
-            from l47.errors import L47Error
-
             raise L47Error("solve", f"event {i} (doc {b.doc[i][:12]}…, row {b.pos[i]})",
                            f"{k} natural alternative(s) (not rejected, not special) in the base top {pool}",
                            f"{len(cand)}")

@@ -13,8 +13,10 @@ import gguf
 import numpy as np
 import torch
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.fileio import atomic_path
+from l47.model import names, quants
+from l47.model.gguf_io import _same_file, copy_with_tensor_replaced, open_gguf, tensors_equal_bytes, write_gguf
 
 Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
 
@@ -22,8 +24,6 @@ Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
 def requantize_target(base_g, target: str, W_new_float: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """Q8_0 bytes of W_new_float (ggml reference rule; blocks whose values did not change keep their original
     bytes) and their dequantised f32 value — the weights every reported number is computed from."""
-    from l47.model import quants
-
     info = base_g.info(target)
     if info.ggml_type != Q8_0:
         raise L47Error(base_g.path, f"tensor {target}", "ggml type Q8_0 (the edited tensor ships as Q8_0)",
@@ -46,8 +46,6 @@ def provenance_kv(prov: dict) -> dict:
 
 def write_bundle(base_path: Path, out: Path, target: str, raw_new: np.ndarray, prov: dict) -> Path:
     """Full-model bundle: the base with the target tensor's bytes replaced and provenance keys added."""
-    from l47.model.gguf_io import copy_with_tensor_replaced
-
     return copy_with_tensor_replaced(base_path, out, {target: raw_new}, extra_kv=provenance_kv(prov))
 
 
@@ -55,9 +53,7 @@ def write_overlay(base_path: Path, out: Path, target: str, raw_new: np.ndarray, 
                   include: list[str] | None = None) -> Path:
     """Overlay bundle: a GGUF holding a subset of the base's tensors (default: every layer's
     ffn_down_shexp, the seed's 48 "writers"), the target's bytes replaced, the others as in the base."""
-    from l47.model.gguf_io import open_gguf, write_gguf
 
-    from l47.model.gguf_io import _same_file
 
     g = open_gguf(base_path)
     if _same_file(Path(out), Path(g.path)):
@@ -79,10 +75,7 @@ def write_overlay(base_path: Path, out: Path, target: str, raw_new: np.ndarray, 
 def transplant(overlay_path: Path, base_path: Path, out: Path) -> dict:
     """Apply an overlay to a full model; verify after writing that every tensor outside the overlay is
     byte-identical to the base and every overlay tensor to the overlay. Returns a summary."""
-    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf, tensors_equal_bytes
-
     ov, base = open_gguf(overlay_path), open_gguf(base_path)
-    from l47.model.gguf_io import _same_file
 
     for p, what in ((overlay_path, "the overlay itself"), (base_path, "the base itself")):
         if Path(out).exists() and _same_file(Path(out), Path(p)):
@@ -101,7 +94,6 @@ def transplant(overlay_path: Path, base_path: Path, out: Path) -> dict:
         raise L47Error(overlay_path, names.PROVENANCE_PREFIX + "overlay_of", f"the base given, sha256 "
                        f"{base.sha256()[:16]}… ({base_path})", f"an overlay of model sha256 {made_for[:16]}…")
     prov = {k: v for k, v in ov.kv.items() if k.startswith(names.PROVENANCE_PREFIX)}
-    from l47.fileio import atomic_path
 
     with atomic_path(out) as tmp:  # verified before it takes the name: a failed check leaves no file
         copy_with_tensor_replaced(base, tmp, repl, extra_kv=prov or None)

@@ -20,6 +20,7 @@ import torch
 from l47.data import record as rec
 from l47.errors import L47Error
 from l47.model import names
+from l47.model.weights import weights_to
 from l47.solvers.batch import EventTerms, batch_to
 from l47.solvers.ftpo import FtpoProblem, train_ftpo
 from l47.solvers.problem import Problem, Solution, Solver
@@ -55,8 +56,6 @@ class Wfld:
         plan, dev = problem.plan, problem.plan.w.device
         w, t = plan.w, problem.terms
         if w.numerics.no_f64:
-            from l47.model.weights import weights_to
-
             w, t = weights_to(w, "cpu"), EventTerms(t.rejected.cpu(), t.chosen.cpu(), t.special.cpu(), t.scale.cpu())
         on = (lambda b: b) if w is plan.w else (lambda b: batch_to(b, "cpu"))
         budget = dataclasses.replace(problem.kl_budget, shipped=lambda dW: problem.ship(dW.to(dev)).W_q.to(w.device))

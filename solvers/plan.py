@@ -32,8 +32,10 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from l47.data.uncertainty import POOLED, phrase_intervals
 from l47.model.weights import TailWeights
 from l47.solvers.anchors import word_null_cost
+from l47.solvers.ftpo import needed_drop
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.wfld import (WfldConfig, _dual_gram, _nnls_dual, anchor_basis, background_kl, eigen_metric,
                                span_share)
@@ -98,8 +100,6 @@ def needed_gap(p: np.ndarray, target: float) -> np.ndarray:
     keeps its share of the rest. f64. The solver's own `needed_drop` (one definition, 1 − p floored at the f32
     logits' resolution 1e-6): clipped at 1 − 1e-12 here before, a train event whose p f32 rounds to ≥ 1 asked 27.6
     nats, and model2's "above and beyond" (mean need 14.1 nats, reachable 15.1) read as unreachable at 16.9."""
-    from l47.solvers.ftpo import needed_drop
-
     return needed_drop(p, target)
 
 
@@ -141,8 +141,6 @@ class PlanInputs:
 def base_p_intervals(rows: list[dict]) -> dict[str, dict]:
     """phrase -> {value, interval, n_events, n_docs}: the mean base p(rejected) over the phrase's event rows
     ({doc_sha256, phrase, p_base}) and its interval bootstrapped over documents (l47.data.uncertainty)."""
-    from l47.data.uncertainty import POOLED, phrase_intervals
-
     out = phrase_intervals(rows, num="p_base", den=None)
     out.pop(POOLED)
     return out

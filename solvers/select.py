@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from l47.data.experiment import SOLVER_SETS
+from l47.dumps.select import prefix_rows
 from l47.errors import L47Error
 from l47.model import names
 
@@ -100,8 +101,6 @@ class SelectionPolicy:
 def near_miss_rows(docs: list, pts: list, tokens_of) -> list[tuple[str, int, int]]:
     """(doc, row, banned final) of every prefix row (l47.dumps.select.prefix_rows) whose target is not one of
     its phrase's final tokens."""
-    from l47.dumps.select import prefix_rows
-
     out = []
     for d in docs:
         tok = np.asarray(tokens_of(d.sha256))
@@ -113,8 +112,6 @@ def near_miss_rows(docs: list, pts: list, tokens_of) -> list[tuple[str, int, int
 
 def without_prefix_rows(pairs: list[tuple[str, int]], docs: list, pts: list, tokens_of) -> list[tuple[str, int]]:
     """The (doc, row) pairs that are not prefix rows of any phrase."""
-    from l47.dumps.select import prefix_rows
-
     pre = {d.sha256: prefix_rows(np.asarray(tokens_of(d.sha256)), pts) for d in docs}
     return [(s, t) for s, t in pairs if not pre[s][t]]
 

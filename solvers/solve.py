@@ -30,14 +30,24 @@ import torch
 
 import l47
 from l47.data import record as rec
+from l47.data.experiment import Experiment, config_from_table, load_experiment
+from l47.data.identity import other_model_notes, other_model_stamp
+from l47.data.ledger import Ledger
+from l47.data.sets import SetsReport, build_sets, check_sets_report, load_sets_report
+from l47.data.thin import thin_phrases
+from l47.dumps import read_dump
 from l47.errors import L47Error
 from l47.fileio import AtomicGroup, sha256_file
 from l47.model import names
+from l47.model.gguf_io import GGUFFile, open_gguf
+from l47.model.weights import TailWeights, check_finite, load_tail_weights
 from l47.solvers.anchors import DEFAULT_BUDGET_FRACTION
 from l47.solvers.batch import Batch, batch_mix, gather
+from l47.solvers.bundle import write_bundle, write_overlay
 from l47.solvers.ftpo import FtpoConfig
 from l47.solvers.knobs import KNOB, Knob, knob, knob_of, ranges
 from l47.solvers.methods import METHODS, solver_for  # noqa: F401 (METHODS: re-exported for l47 init)
+from l47.solvers.plan import BINDING_EVENTS, PlanInputs, feasibility
 from l47.solvers.problem import Problem, Shipped, Solution, pose
 from l47.solvers.select import SOLVER_SETS, Selection
 from l47.solvers.wfld import WfldConfig
@@ -111,7 +121,6 @@ class SolveResult:
 
 
 def _sub(cls, d: dict, where: str):
-    from l47.data.experiment import config_from_table
 
     return config_from_table(cls, d, where, f"solver.{cls.__name__.removesuffix('Config').lower()}", ranges(cls))[0]
 
@@ -123,8 +132,6 @@ def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveC
     """[solver] table -> SolveConfig, every key type- and range-checked (the ranges: each field's Knob,
     solvers/knobs.py; an unknown key answered with the nearest known one); `method` (--method) wins over the
     table's `method`, default DEFAULT_METHOD."""
-    from l47.data.experiment import config_from_table
-
     t = dict(solver_table or {})
     method = method or t.pop("method", None) or DEFAULT_METHOD
     t.pop("method", None)
@@ -150,7 +157,7 @@ def resolve_config(solver_table: dict, method: str | None, where: str) -> SolveC
 class DumpCache:
     """The report's accepted documents by sha256, read once; batches of (doc, row) pairs."""
 
-    def __init__(self, report, w, allow_other_model: bool = False):
+    def __init__(self, report: SetsReport, w: TailWeights, allow_other_model: bool = False):
         self.w = w
         self.allow_other_model = allow_other_model
         self.other_model_notes: list[str] = []  # dumps of another model, allowed (l47.data.identity)
@@ -158,15 +165,11 @@ class DumpCache:
         self._cache: dict[str, object] = {}
 
     def dump(self, sha: str):
-        from l47.dumps import read_dump
-
         if sha not in self._cache:
             p = Path(self.paths[sha])
             d = read_dump(p)
             m = str(d.meta.model)
             if self.allow_other_model and len(m) == 64 and m != self.w.model_sha256:
-                from l47.data.identity import other_model_notes
-
                 self.other_model_notes += other_model_notes([p], self.w.model_sha256, self.w.path, True)
             elif len(m) == 64 and all(c in "0123456789abcdef" for c in m) and m != self.w.model_sha256:
                 raise L47Error(p, "meta.model", f"the base model's sha256 {self.w.model_sha256[:16]}…",
@@ -187,27 +190,22 @@ class DumpCache:
 
 @dataclass
 class SolvePlan:
+    """Every input of a solve, loaded and checked (plan_solve)."""
     args: SolveArgs
-    exp: object  # l47.data.experiment.Experiment
+    exp: Experiment
     model: Path
     out: Path
     cfg: SolveConfig
-    base_g: object  # GGUF of the base
-    w: object  # TailWeights
-    report: object  # SetsReport
+    base_g: GGUFFile  # the base model
+    w: TailWeights
+    report: SetsReport
     sets_built_here: bool  # the sets pass (base scoring of every document) ran inside this solve
     dumps: DumpCache
-    ledger: object = None  # l47.data.ledger.Ledger of the base model (or the one --ledger names)
+    ledger: Ledger | None = None  # the base model's (or the one --ledger names)
 
 
 def plan_solve(args: SolveArgs) -> SolvePlan:
     """Load and check every input before any solving: model, output path, config, target type, sets report."""
-    from l47.data.experiment import load_experiment
-    from l47.data.ledger import Ledger
-    from l47.data.sets import build_sets, check_sets_report, load_sets_report
-    from l47.model.gguf_io import open_gguf
-    from l47.model.weights import load_tail_weights
-
     exp = load_experiment(args.experiment)
     given = load_sets_report(args.sets_json) if args.sets_json else None
     if given is not None:  # made from these inputs? (token hashes only: before the model is read)
@@ -241,8 +239,6 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
 def refuse_thin(exp, report) -> None:
     """Thin phrases (l47.data.thin) refused before any long work: one line naming each, its counts per split and
     the documents to add."""
-    from l47.data.thin import thin_phrases
-
     th = exp.thresholds
     thin = thin_phrases([p.phrase for p in report.phrases], report.events, report.docs, th.min_train_per_phrase,
                         th.min_heldout_per_phrase)
@@ -261,8 +257,6 @@ def refuse_thin(exp, report) -> None:
 def check_feasible(problem: Problem):
     """The feasibility plan (solvers/plan.py) for the problem's kept selection: per phrase events, base p, needed
     and reachable log-odds, share inside the protected span, binding constraint."""
-    from l47.solvers.plan import PlanInputs, feasibility
-
     plan, sel = problem.plan, problem.kept
     r = plan.report
     phrases = [p.phrase for p in r.phrases]
@@ -289,8 +283,6 @@ def check_feasible(problem: Problem):
 
 def describe_feasibility(fp) -> list[str]:
     """One line per phrase that cannot reach its target, plus the anchors' use of f."""
-    from l47.solvers.plan import BINDING_EVENTS
-
     out = [f"plan: anchors rank {fp.anchor_rank} of f = {fp.f} ({fp.turn_ends} turn ends), null space {fp.null_dim}"
            f"{' (soft anchors: the bound is without their span)' if fp.anchors_soft else ''}; "
            f"target residual {fp.target:g}, KL budget {fp.kl_budget:.3g}"]
@@ -413,9 +405,6 @@ def touched_terms(prob: Problem) -> list[rec.Touched]:
 
 def _write_bundle(plan: SolvePlan, raw: np.ndarray, path: Path) -> str:
     """Bundle (or overlay) with provenance, written to `path` (the bundle's temp name); returns its sha256."""
-    from l47.model.gguf_io import open_gguf
-    from l47.solvers.bundle import write_bundle, write_overlay
-
     r = plan.report
     prov = {"method": plan.cfg.method, "toolkit_version": l47.__version__, "seed": str(plan.cfg.seed),
             "base_sha256": plan.base_g.sha256(), "target": plan.w.target, "config": plan.cfg.to_dict(),
@@ -495,8 +484,6 @@ class Measured:
 def solve_and_measure(problem: Problem, feas: dict | None, log, progress) -> Measured:
     """solve_problem -> requantize -> measure: the one path from a problem to its shipped, measured ΔW (a plain
     solve and every sweep candidate). `feas`: the feasibility plan (JSON) the record keeps."""
-    from l47.model.weights import check_finite
-
     plan, sel = problem.plan, problem.selection
     solved = solve_problem(problem, log, progress)
     check_finite(solved.dW, f"l47 solve ({problem.solver.name})", "ΔW (the solver's result)")  # never shipped
@@ -507,7 +494,6 @@ def solve_and_measure(problem: Problem, feas: dict | None, log, progress) -> Mea
 
 
 def _stamps(other_model_notes) -> list[str]:
-    from l47.data.identity import other_model_stamp
 
     return [other_model_stamp(len(other_model_notes))] if other_model_notes else []
 

@@ -20,14 +20,18 @@ Held-out is never read here: it is scored only by `l47 audit`. The chosen candid
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 from l47.data import record as rec
+from l47.data.uncertainty import POOLED, residual_intervals
 from l47.errors import L47Error
 from l47.fileio import write_text_atomic
+from l47.solvers.ftpo import removal_score
 from l47.solvers.methods import FTPO_GRID, WFLD_GRID, WFLD_MAX_TARGET, solver_for  # noqa: F401 (the grids: re-exported)
 from l47.solvers.problem import pose
+from l47.solvers.solve import check_feasible, describe_feasibility, plan_solve, solve_and_measure, write_outputs
 
 RULE = ("among the candidates whose exact background KL is within the budget: the most dev removal (mean over "
         "phrases of log max(dev residual, target residual), FTPO's kept-step score), then the lowest worst-phrase "
@@ -63,8 +67,6 @@ def dev_figures(claims: rec.SolveClaims, target: float) -> tuple[float, float, f
     """(removal score, pooled, worst phrase, per phrase) of a candidate's claims: dev residual p_after / p_before
     per phrase; the score is FTPO's (l47.solvers.ftpo.removal_score: mean over phrases of log max(residual,
     target); lower = more removal, a phrase below the target counts as at it)."""
-    from l47.solvers.ftpo import removal_score
-
     d = claims.dev_p_rejected
     per = {ph: d.per_phrase_after[ph] / b for ph, b in d.per_phrase_before.items() if b > 0}
     return removal_score(per, target), d.after / d.before, max(per.values()), per
@@ -115,8 +117,6 @@ def _lo_hi(iv) -> list[float]:
 def table_text(sw: rec.SweepRecord) -> str:
     """The sweep as TSV: one row per candidate, every number as the record holds it (repr of the float), then
     three columns per phrase (dev residual of that phrase and its interval's ends over dev documents)."""
-    import json
-
     phrases = sorted({ph for c in sw.candidates for ph in c.dev_residual_per_phrase})
     lines = ["\t".join(TABLE_COLUMNS + tuple(f"dev_residual{k}[{ph}]" for ph in phrases for k in ("", "_lo", "_hi")))]
     for c in sw.candidates:
@@ -144,8 +144,6 @@ def read_table(path: Path) -> list[dict[str, str]]:
 def _candidate(name: str, ov: dict, m, target: float) -> rec.SweepCandidate:
     """A candidate's dev figures from its Measured (claims, and the dev event rows for the intervals over
     documents: l47.data.uncertainty.residual_intervals)."""
-    from l47.data.uncertainty import POOLED, residual_intervals
-
     score, pooled, worst, per = dev_figures(m.claims, target)
     iv = residual_intervals(m.dev_rows)
     cv = m.claims.convergence
@@ -166,8 +164,6 @@ def _step_progress(progress, name: str, i: int, n: int):
 def run_sweep(args, log: Callable[[str], None], progress: Callable[[dict], None] | None):
     """Every candidate of the grid solved and judged on dev; the chosen one's bundle and record written (with
     every candidate in `record.sweep`) and the table beside the bundle. Returns the SolveResult."""
-    from l47.solvers.solve import check_feasible, describe_feasibility, plan_solve, solve_and_measure, write_outputs
-
     plan = plan_solve(args)
     prob = pose(plan, solver_for(plan.cfg.method), log)
     if not prob.kept.dev:

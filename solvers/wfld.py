@@ -86,6 +86,7 @@ from l47.solvers.problem import KlBudget
 from l47.tail.forward import logits_at, streamed_kl
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.fisher import fisher_factors, mu_lse
+from l47.solvers.qp import nnls_gram
 
 # trust region on the linearised rows (nats; module docstring): the standard ratio rule's constants
 TR_RADIUS0 = 1.0  # initial radius
@@ -235,8 +236,6 @@ def _dual_gram(Gh: torch.Tensor, Hh: torch.Tensor, D: torch.Tensor, ev_of_row: n
 def _nnls_dual(K: torch.Tensor, b: np.ndarray) -> np.ndarray:
     """argmin_{μ ≥ 0} ½ μᵀKμ + μᵀb: Lawson–Hanson in the Gram form (solvers/qp.py, on CUDA when K is there),
     else (the active set did not settle) scipy's NNLS on K = L Lᵀ: ‖Lᵀμ + L⁻¹b‖² — the same minimiser."""
-    from l47.solvers.qp import nnls_gram
-
     Kt = K.to("cuda" if K.is_cuda else "cpu", torch.float64)
     bt = torch.as_tensor(np.asarray(b, dtype=np.float64), device=Kt.device)
     if not bool(torch.isfinite(Kt).all()) or not bool(torch.isfinite(bt).all()):

@@ -62,3 +62,39 @@ def test_every_function_a_command_row_names_is_in_its_file():
                 pairs += 1
     assert pairs >= 15
     assert {"l47 export", "l47 init", "l47 plan"} <= {r[0].strip("`") for r in _rows("| command |")}
+
+
+def _defs(path: str) -> set[str]:
+    import ast
+
+    tree = ast.parse((DOC.parents[1] / path).read_text(encoding="utf-8"))
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_every_concept_names_the_function_that_makes_it():
+    """The concepts table and the evidence families table: each `file` `function` pair of the `made in` column is
+    a def of that file (read with ast), so a concept's one maker cannot be renamed away from its row."""
+    pairs = 0
+    for header in ("| concept | type | made in |", "| family (`Evidence` field) |"):
+        for r in _rows(header):
+            for path, name in re.findall(r"`((?:l47|solvers|evals|engine|dumps)/[\w/]+\.py)` `(\w+)", r[2]):
+                assert name in _defs(path), f"{r[0]}: {path} has no def {name}"
+                pairs += 1
+    assert pairs >= 20
+
+
+def test_every_evidence_family_has_a_row():
+    """Each dataclass of evals/figures.py is a row of the evidence families table, and each row's type is one of
+    them; every field of bars.Evidence but the thresholds and the mode is a family's row."""
+    import ast
+    import dataclasses
+
+    from l47.evals.bars import Evidence
+
+    tree = ast.parse((DOC.parents[1] / "evals/figures.py").read_text(encoding="utf-8"))
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    rows = _rows("| family (`Evidence` field) |")
+    typed = {t for r in rows for t in re.findall(r"`(\w+)`", r[1])} & classes
+    assert typed == classes - {"KldStats"}, sorted(classes ^ typed)
+    fields = {f.name for f in dataclasses.fields(Evidence)} - {"thresholds", "mode"}
+    assert fields == {re.findall(r"`(\w+)`", r[0])[0] for r in rows}

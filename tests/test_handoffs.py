@@ -227,8 +227,8 @@ def test_weakened_each_threshold_each_direction(name):
     assert B.weakened(parse_thresholds({name: default})) == []
     got = B.weakened(parse_thresholds({name: w}))
     assert [(x["key"], x["default"], x["value"]) for x in got] == [(name, default, w)]
-    assert B.stamps(parse_thresholds({name: w}), {}) == [f"weakened: {name} {w:g} (default {default:g})"]
-    assert B.weakened(parse_thresholds({name: s})) == [] and B.stamps(parse_thresholds({name: s}), {}) == []
+    assert B.stamps(parse_thresholds({name: w}), None) == [f"weakened: {name} {w:g} (default {default:g})"]
+    assert B.weakened(parse_thresholds({name: s})) == [] and B.stamps(parse_thresholds({name: s}), None) == []
 
 
 def test_conflicting_directions_are_a_registry_error(monkeypatch):

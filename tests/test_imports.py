@@ -267,3 +267,62 @@ def test_the_dump_driver_prints_nothing():
     bad += [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and any(
         (a.name if isinstance(n, ast.Import) else (n.module or "")).split(".")[0] == "rich" for a in n.names)]
     assert not bad, f"l47/app/dumping.py prints or imports rich at lines {bad}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# where imports sit (issue 36 item 4): the library imports its own modules at module level; only the CLI defers
+
+HEAVY = ("torch", "transformers", "numpy", "gguf", "safetensors", "tokenizers", "matplotlib", "scipy")
+LIBRARY_LAYERS = ("l47.evals", "l47.solvers")
+# modules of those layers still importing l47 inside a function, left to their owners (moved when next edited;
+# estimate: landed on main beside this change). An entry that no longer does (and exists) fails the test: delete it.
+PENDING_DEFERRED: set[str] = {"l47.solvers.problem", "l47.solvers.ftpo.trainer", "l47.solvers.estimate"}
+
+
+def function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of l47 inside a function or class body (not under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    skip = _type_checking_only(tree)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in top or id(node) in skip:
+            continue
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        out += [(node.lineno, n) for n in names if n.split(".")[0] == "l47" or getattr(node, "level", 0)]
+    return sorted(out)
+
+
+def test_library_imports_its_own_modules_at_module_level():
+    """evals/ and solvers/ import l47 at module level (none of them forms a runtime cycle: test_no_import_cycles);
+    the CLI defers the heavy ones instead (test_cli_start_up_imports_nothing_heavy)."""
+    mods = modules()
+    found = {m: function_level_imports(p) for m, p in mods.items() if m.startswith(LIBRARY_LAYERS)}
+    found = {m: v for m, v in found.items() if v}
+    new = {m: v for m, v in found.items() if m not in PENDING_DEFERRED}
+    assert not new, "imports inside functions:\n" + "\n".join(f"{m}: {v}" for m, v in sorted(new.items()))
+    gone = sorted(m for m in PENDING_DEFERRED - set(found) if m in mods)
+    assert not gone, f"no function-level import left, remove from PENDING_DEFERRED: {gone}"
+
+
+def test_function_level_import_reader(tmp_path):
+    """The reader on a file whose imports are known: module level and TYPE_CHECKING ones are not counted."""
+    (tmp_path / "m.py").write_text(
+        "from typing import TYPE_CHECKING\nimport numpy\nfrom l47 import fileio\n"
+        "if TYPE_CHECKING:\n    from l47.model import weights\n"
+        "def f():\n    import json\n    from l47.tail import forward\n"
+        "class C:\n    def g(self):\n        from . import sibling\n")
+    assert function_level_imports(tmp_path / "m.py") == [(8, "l47.tail"), (11, "")]
+
+
+def test_cli_start_up_imports_nothing_heavy():
+    """`import l47.app.cli` and `l47 --help` load none of the heavy libraries (torch, transformers, ...): each
+    command imports its driver when it runs. Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom l47.app.cli import app\ntry:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from l47.evals import bars as B
+from l47.evals.audit import AuditArgs, AuditReport, run_audit
 
 
 def _fmt(v) -> str:
@@ -16,8 +20,8 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def print_summary(res, console) -> None:
-    """res: l47.evals.audit.AuditReport."""
+def print_summary(res: AuditReport, console) -> None:
+    """The bars (PASS / FAIL / n/a with value and threshold), the slop line, the reasons of failed bars, notes."""
     r = res.report
     t = Table(title=f"l47 audit ({res.mode}) — bundle {res.bundle_sha256[:12]}… — "
                     + ("[bold green]PASS[/]" if res.passed else "[bold red]FAIL[/]")
@@ -45,8 +49,6 @@ class SetProgress:
     per set when its last document is scored, and meanwhile at most one line every `every_s` seconds."""
 
     def __init__(self, console, every_s: float = 15.0, clock=None):
-        import time
-
         self.console = getattr(console, "_c", console)  # a FittedConsole's own Console (rich's Live needs it)
         self.every_s, self.clock = every_s, clock or time.monotonic
         self.bar, self.tasks, self.last = None, {}, self.clock()
@@ -63,8 +65,6 @@ class SetProgress:
                 self.last = now
                 self.console.print(f"audit: set {escape(name)}: {done}/{total} document(s) scored", highlight=False)
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         if self.bar is None:
             self.bar = Progress(TextColumn("[bold]audit[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), transient=True, console=self.console)
@@ -78,10 +78,8 @@ class SetProgress:
             self.bar.stop()
 
 
-def audit_and_print(args, console):
+def audit_and_print(args: AuditArgs, console) -> AuditReport:
     """run_audit with per-set progress, then its summary once."""
-    from l47.evals.audit import run_audit
-
     with SetProgress(console) as progress:
         res = run_audit(args, progress=progress)
     print_summary(res, console)
