@@ -353,13 +353,19 @@ def build_eval_docs(spec: ZooSpec, pool_chats: int | None = None) -> dict[str, l
     s = spec.seed
     seen: set[str] = set()
 
-    def prompts(rng, n, prefix, elsewhere: str = ""):
-        """n prompts of distinct user turns; a held-back prompt's user turn also occurs in no other document
-        (`elsewhere`: their texts): the blind sign-off refuses a chat whose prompt a set of the experiment holds."""
-        out = []
+    def prompts(rng, n, prefix, elsewhere: str | None = None):
+        """n prompts of distinct user turns. Held back (`elsewhere`: the other documents' texts): two requests in
+        one user turn, kept only where no document holds it (the blind sign-off refuses a chat whose prompt a set
+        of the experiment holds; a register's single requests can all occur in its chats: seed 6)."""
+        out, tries = [], 0
         while len(out) < n:
             m = w.prompt(rng)
-            if m[1]["content"] not in seen and m[1]["content"] not in elsewhere:
+            if elsewhere is not None:
+                m[1]["content"] += " " + w.prompt(rng)[1]["content"]
+            tries += 1
+            if tries > 1000 * n:
+                raise RuntimeError(f"zoo seed {s}: {n} distinct prompts for {prefix} not found in {tries} draws")
+            if m[1]["content"] not in seen and (elsewhere is None or m[1]["content"] not in elsewhere):
                 seen.add(m[1]["content"])
                 out.append({"id": f"{prefix}-{len(out):03d}", "messages": m})
         return out
