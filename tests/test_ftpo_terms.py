@@ -219,3 +219,34 @@ def test_pull_balance_matches_finite_differences(world):
         assert share == pytest.approx(fd, rel=0.03, abs=2e-3), (name, share, fd)
     # and the shares are not all zero: the terms do pull against the phrase at a random ΔW
     assert max(abs(v) for v in shares.values()) > 1e-2, shares
+
+
+def test_vocab_log_odds_against_the_full_softmax_and_finite_differences(world):
+    """o = z_r − log Σ_{v ∉ {r} ∪ special} exp z_v (odds = "vocabulary"): its value against the f64 full-vocabulary
+    re-derivation (f32 hidden state: 1e-4 relative), and its gradient along a random direction of mix against a
+    central difference of the f64 reference (step 1e-3 of mix's RMS; the reference is smooth, so the difference's
+    error is O(h²) ≈ 1e-6 relative; the f32 forward adds ~1e-4: tolerance 1e-3 relative)."""
+    from l47.solvers.batch import batch_mix
+    from l47.solvers.ftpo.objective import vocab_log_odds
+
+    w, pb, spec = world["w"], world["pb"], world["spec"]
+    r = pb.terms.rejected
+    mix = batch_mix(pb.events, w, dW=world["dW"]).detach()  # [E, n]
+
+    def ref(m: torch.Tensor) -> torch.Tensor:
+        z = m.double() @ w.head.double().T  # [E, V]
+        keep = torch.ones_like(z, dtype=torch.bool)
+        keep[torch.arange(z.shape[0]), r] = False
+        keep[:, spec] = False
+        return z.gather(1, r[:, None])[:, 0] - torch.logsumexp(z.masked_fill(~keep, -math.inf), 1)
+
+    m = mix.clone().requires_grad_(True)
+    o = vocab_log_odds(m, w, r, spec)
+    assert torch.allclose(o, ref(mix), rtol=1e-4, atol=1e-4)
+    direction = torch.randn(mix.shape, generator=torch.Generator().manual_seed(5))
+    (g,) = torch.autograd.grad((o * torch.arange(1, o.numel() + 1)).sum(), m)
+    h = 1e-3 * float(mix.pow(2).mean().sqrt())
+    wts = torch.arange(1, o.numel() + 1).double()
+    fd = float(((ref(mix.double() + h * direction) - ref(mix.double() - h * direction)) * wts).sum()) / (2 * h)
+    an = float((g.double() * direction).sum())
+    assert abs(an - fd) <= 1e-3 * abs(fd), (an, fd)

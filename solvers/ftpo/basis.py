@@ -10,6 +10,7 @@ import torch
 
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, batch_rows, ys_grad_mix
+from l47.solvers.fisher import fisher_factors
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
 from l47.solvers.ftpo.objective import special_word_pairs
 from l47.tail.forward import logits_at, logp_at
@@ -50,6 +51,26 @@ def background_scales(hh_bg: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     ref = H.pow(2).sum(1).mean().sqrt() / math.sqrt(H.shape[1])
     return (ref / e.clamp_min(ref / SCALE_CAP)).float()  # a direction the background hardly uses is NOT blown up:
     # uncapped, model2's unused directions were scaled ~10³× and the held-out chats (which use them) diverged
+
+
+METRIC_ROWS = 2048  # background rows the output metric is estimated on (a strided sample; G is [n, n])
+
+
+def output_metric(bg: Batch, w: TailWeights, cap: float, rows: int = METRIC_ROWS, seed: int = 0) -> torch.Tensor:
+    """S [n, n] (f32, symmetric): the gains of ΔW's output directions, S = U_G diag(s) U_Gᵀ with
+    s_i = clip(√(mean γ / γ_i), 1/cap, cap), γ_i, U_G the eigenpairs of G = mean_b J_bᵀ F_b J_b, the background
+    KL's Gauss–Newton factor on the output side (solvers/fisher.py: K-FAC, top-32 exact + 32 sampled tail tokens
+    per row, f64) at ≤ `rows` background rows (strided). With ΔW = S·U·Mᵀ a step of one size in U costs about the
+    same background KL in every output direction: Adam's normalised step, which moves every entry of U by about
+    the same amount, no longer spends most of its KL on the few directions the head is sharpest in (with U = ΔW's
+    own coordinates, those directions take a full step like any other). The gains are capped both ways for the
+    reason background_scales caps its own: a direction the background hardly feels is one unseen text may use."""
+    idx = torch.linspace(0, bg.P - 1, min(rows, bg.P), device=bg.hh.device).round().long().unique()
+    G = fisher_factors(batch_rows(bg, idx), w, w.W_sd, K=min(32, w.V), tail_samples_n=32, seed=seed).G  # [n, n]
+    gam, U = torch.linalg.eigh(G)  # ascending
+    gam = gam.clamp_min(0)
+    s = (gam.mean() / gam.clamp_min(gam.mean() * 1e-12)).sqrt().clamp(1.0 / cap, cap)  # [n]
+    return ((U * s) @ U.T).float()
 
 
 def gap_jacobians(b: Batch, w: TailWeights, ids: torch.Tensor) -> torch.Tensor:
@@ -143,11 +164,16 @@ def _parameterise(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, ev_group: to
     B, notes = _turn_end_directions(w, pb, cfg)
     V, gap_notes = _gap_directions(w, pb, cfg, Q, B)
     U0 = torch.zeros(w.n, Q.shape[1], device=w.device, requires_grad=True)
+    S = output_metric(pb.background, w, cfg.metric_cap, seed=cfg.seed) if cfg.metric_cap > 0 else None  # [n, n]
+    if S is not None:
+        notes = notes + [f"output metric: ΔW's output directions scaled by the background KL's curvature, gains "
+                         f"within [1/{cfg.metric_cap:g}, {cfg.metric_cap:g}]"]
+    gain = (lambda p: p) if S is None else (lambda p: S @ p)
     if V is None:
-        return U0, (lambda p: off_span(p, B) @ Q.T), notes + gap_notes
+        return U0, (lambda p: off_span(gain(p), B) @ Q.T), notes + gap_notes
     # off span B first, then off the gap directions built from (I − B Bᵀ)J: the result stays off span B, and
     # each gap row's first-order change J_bᵀ Y k_b = ((I − B Bᵀ)J_b)ᵀ Y k_b is 0 (both hold exactly)
-    return U0, (lambda p: project_out(off_span(p, B), V) @ Q.T), notes + gap_notes
+    return U0, (lambda p: project_out(off_span(gain(p), B), V) @ Q.T), notes + gap_notes
 
 
 def _turn_end_directions(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig):

@@ -10,6 +10,7 @@ from l47.solvers.batch import Batch, EventTerms
 from l47.solvers.knobs import knob
 
 OBJECTIVES = ("target", "margin")
+ODDS = ("top_k", "vocabulary")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class FtpoConfig:
 
     objective: str = knob(
         "target", "target (log-odds hinge to aim·target_residual·p0 per event) | margin (the seed's preference term)")
+    odds: str = knob(
+        "top_k", "the log-odds the target hinge lowers: top_k (of the banned token against the rest of its base "
+        "top-K) | vocabulary (against every ordinary token: what the residual measures)")
     aim: float = knob(
         0.5, 'train events aim at aim × target_residual × their base p (held-out follows train only in part)')
     margin: float = knob(2.0, 'nats of the preference margin (margin objective)')
@@ -31,11 +35,17 @@ class FtpoConfig:
         ' background never shows)')
     key_rank: int = knob(
         8, 'per phrase, key directions ΔW may act on (generalized eigenvectors vs the background); 0: all of f')
+    metric_cap: float = knob(
+        0.0, "> 0: ΔW's output directions scaled by the background KL's Gauss–Newton factor (K-FAC G), each gain "
+        'within [1/metric_cap, metric_cap] (0: off; docs/SOLVERS.md "The output metric")', 0.0)
     steps: int = knob(
         1000, 'step cap (the candidate within the KL budget with the most removal, each phrase judged by the larger'
         ' of its dev and train residuals, is kept)')
     lambda_kl: float = knob(
         1.0, 'initial weight of background KL / kl_budget (doubled while the exact KL is over the budget)')
+    lambda_floor: float = knob(
+        1.0, 'λ comes down (relax) to lambda_kl × this at the lowest while the KLs stand with slack (1: never below '
+        'its initial value)', 0.0, 1.0)
     lambda_cond: float = knob(
         1.0, 'weight of the conditional tether KL / kl_budget at near misses (the natural continuation keeps its '
         'share)')

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, batch_cat, batch_mix, batch_rows, event_logps
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
-from l47.tail.forward import head_stats, logits_at, logp_at, streamed_lse
+from l47.tail.forward import DEFAULT_CHUNK, head_chunk, head_stats, logits_at, logp_at, streamed_lse
 from l47.tail.stream import stream_head
 
 
@@ -32,6 +32,54 @@ def log_odds(z_r: torch.Tensor, z_s: torch.Tensor, keep: torch.Tensor) -> torch.
     """o = z_r − log Σ_{keep} exp z_s per row [P] (f64). z_r [P], z_s, keep [P, K]."""
     neg = torch.finfo(torch.float64).min
     return z_r.double() - torch.logsumexp(z_s.double().masked_fill(~keep, neg), -1)
+
+
+class _LseWithout(torch.autograd.Function):
+    """log Σ_{v ∉ drop_t} exp z_tv per row [R] (f64 out), z = mix·W_outᵀ in the run's head precision, masked per
+    row in the same chunks the sum is taken over (no cancellation: the rest of a near-certain token's row is summed,
+    not 1 − p); backward ∂/∂mix = E_q[W_out] over the same rows (one more pass, f64). drop [R, k] token ids."""
+
+    @staticmethod
+    def forward(ctx, mix, w, drop, chunk):
+        ctx.save_for_backward(mix, drop)
+        ctx.w, ctx.chunk = w, chunk
+        m = torch.full((mix.shape[0],), -math.inf, dtype=torch.float64, device=mix.device)
+        s = torch.zeros_like(m)
+        for lo, z in _masked_chunks(mix.detach(), w, drop, chunk):  # z [R, C] f64, −inf at dropped ids
+            m_new = torch.maximum(m, z.max(1).values)
+            s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1)
+            m = m_new
+        lse = m + torch.log(s)
+        ctx.lse = lse
+        return lse
+
+    @staticmethod
+    def backward(ctx, g):
+        mix, drop = ctx.saved_tensors
+        w, lse = ctx.w, ctx.lse
+        mu = torch.zeros(mix.shape[0], w.head.shape[1], dtype=torch.float64, device=mix.device)  # [R, n]
+        for lo, z in _masked_chunks(mix.detach(), w, drop, ctx.chunk):
+            mu += torch.exp(z - lse[:, None]) @ w.head[lo: lo + z.shape[1]].double()
+        return (mu * g.double()[:, None]).to(mix.dtype), None, None, None
+
+
+def _masked_chunks(mix: torch.Tensor, w: TailWeights, drop: torch.Tensor, chunk: int):
+    """(lo, logits [R, C] f64 with −inf at each row's dropped ids) over the vocabulary in chunks."""
+    for lo in range(0, w.V, chunk):
+        hi = min(w.V, lo + chunk)
+        z = head_chunk(mix, w, lo, hi).double()  # [R, C]
+        inside = (drop >= lo) & (drop < hi)  # [R, k]
+        r, k = torch.nonzero(inside, as_tuple=True)
+        z[r, drop[r, k] - lo] = -math.inf
+        yield lo, z
+
+
+def vocab_log_odds(mix: torch.Tensor, w: TailWeights, r: torch.Tensor, special: torch.Tensor,
+                   chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """o = z_r − log Σ_{v ∉ {r} ∪ special} exp z_v per row [R] (f64): the log-odds of r against every ordinary
+    token (mass that leaves r for a special token is no progress: bar (f)). mix [R, n], r [R], special [ks]."""
+    drop = torch.cat([r[:, None], special.to(r.device).expand(r.shape[0], -1)], 1)  # [R, 1 + ks]
+    return logits_at(mix, w, r[:, None])[:, 0].double() - _LseWithout.apply(mix, w, drop, chunk)
 
 
 def target_hinge(drop: torch.Tensor, need: torch.Tensor, tau: float) -> torch.Tensor:
@@ -210,8 +258,7 @@ class _Objective:
         self.pe_rot = _Rotation(0 if self.pe_rows is None else self.pe_rows.numel(), cfg.anchor_batch, cfg.seed + 2, dev_)
         self.teth_ev = _Tether(ev, w, terms.rejected, self.special, cfg.tether_topk)
         with torch.no_grad():
-            self.o0 = log_odds(logits_at(mix0_ev, w, terms.rejected[:, None])[:, 0], self.teth_ev.z0,
-                               self.teth_ev.keep)  # [E]
+            self.o0 = self.odds(mix0_ev, self.teth_ev.z0)  # [E]
         self.teth_near = (_Tether(pb.near, w, pb.near_banned, self.special, cfg.tether_topk)
                           if pb.near is not None and pb.near.P else None)
         ends = pb.turn_end_rows()
@@ -336,12 +383,21 @@ class _Objective:
 
     # ---- each term's cost at a step (unweighted)
 
+    def odds(self, mix: torch.Tensor, z_s: torch.Tensor) -> torch.Tensor:
+        """The events' log-odds o [E] (f64) the target hinge moves: against every ordinary token
+        (`vocab_log_odds`, odds = "vocabulary") or against the base top-K only (`log_odds`, "top_k"). mix [E, n],
+        z_s [E, K] the logits of the tether's ids."""
+        r = self.pb.terms.rejected
+        if self.cfg.odds == "vocabulary":
+            return vocab_log_odds(mix, self.w, r, self.special)
+        return log_odds(logits_at(mix, self.w, r[:, None])[:, 0], z_s, self.teth_ev.keep)
+
     def _pref_cost(self, st: Step) -> torch.Tensor:
         """Target: mean over phrases of the mean over their pulling events of target_hinge (nats); margin: the
         seed's preference term τ·softplus((Δ(ℓ_r − ℓ_c) + margin·scale)/τ), mean over events and chosen."""
         cfg, terms, w = self.cfg, self.pb.terms, self.w
         if cfg.objective == "target":
-            o = log_odds(logits_at(st.mix, w, terms.rejected[:, None])[:, 0], st.z_s, self.teth_ev.keep)  # [E]
+            o = self.odds(st.mix, st.z_s)  # [E]
             return per_group_mean(target_hinge(o - self.o0, self.need, cfg.taper) * self.event_on,
                                   self.ev_group).float()
         lp = st.lp

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from l47.data import record as rec
+from l47.errors import L47Error
 from l47.model.weights import TailWeights
 from l47.solvers.ftpo.basis import _parameterise
-from l47.solvers.ftpo.config import OBJECTIVES, FtpoConfig, FtpoProblem
+from l47.solvers.ftpo.config import ODDS, OBJECTIVES, FtpoConfig, FtpoProblem
 from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_ENDS, BIND_FLIPS, BIND_KL, _Judge, at_target_residuals,
                                     next_multiplier, pulling)
 from l47.solvers.ftpo.objective import TERM_MEANING, _Objective, _Rotation, pull_balance
@@ -88,10 +89,9 @@ class _Adam:
 def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), progress=None) -> FtpoResult:
     """Minimise L(ΔW) (the package docstring) by Adam with a floor; keep the best dev candidate within the
     KL budget. Steps: parameterise ΔW -> base quantities -> the loop (`_Trainer.run`) -> the kept candidate."""
-    if cfg.objective not in OBJECTIVES:
-        from l47.errors import L47Error
-
-        raise L47Error("solver.ftpo", "objective", f"one of {OBJECTIVES}", repr(cfg.objective))
+    for name, allowed in (("objective", OBJECTIVES), ("odds", ODDS)):
+        if getattr(cfg, name) not in allowed:
+            raise L47Error("solver.ftpo", name, f"one of {allowed}", repr(getattr(cfg, name)))
     return _Trainer(w, pb, cfg, progress).run()
 
 
@@ -174,7 +174,7 @@ class _Trainer:
         bad = info["inadmissible"]
         kl_bad = BIND_KL in bad or BIND_DEV_KL in bad  # the background KL is the trainer's handle on both KLs
         kl_slack = info["kl_used"] < cfg.relax and (info["kl_dev_used"] is None or info["kl_dev_used"] < cfg.relax)
-        self.lam = next_multiplier(self.lam, cfg.lambda_kl, kl_bad, kl_slack, cfg.relax)
+        self.lam = next_multiplier(self.lam, cfg.lambda_kl * cfg.lambda_floor, kl_bad, kl_slack, cfg.relax)
         self.over = self.over + 1 if info["kl_exact"] > pb.kl_budget else 0
         if judge.best is not None and judge.best[1] == self.step:
             self.kept = self.param.detach().clone()
