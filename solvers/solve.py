@@ -308,8 +308,9 @@ def describe_feasibility(fp) -> list[str]:
         if p.binding == BINDING_EVENTS:
             out.append(f"plan: {p.phrase!r} cannot be trained: no train events ({p.events})")
             continue
-        out.append(f"plan: {p.phrase!r} cannot reach its target: {p.binding} (needs {p.needed_gap:.3g} nats of "
-                   f"log-odds, reachable {p.reachable_gap:.3g}; {p.events.get('train', 0)} train events, "
+        edit = "" if p.edit_residual is None else f"the plan's edit within the budget reaches {p.edit_residual:.3g}; "
+        out.append(f"plan: {p.phrase!r} cannot reach its target: {p.binding} ({edit}needs {p.needed_gap:.3g} nats of "
+                   f"log-odds, first-order reachable {p.reachable_gap:.3g}; {p.events.get('train', 0)} train events, "
                    f"{p.span_share_mean:.0%} of their keys inside the protected span)")
     return out + [f"plan: {n}" for n in fp.notes]
 
