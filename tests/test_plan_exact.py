@@ -320,3 +320,31 @@ def test_bench_markdown_carries_the_plan_columns_and_section():
     sec = md.split("## plan vs solver")[1]
     assert "| zoo5 | ftpo | b | 0.2 | 0.15 | 0.25 | 1.67 | none | plan reachable, solver short |" in sec
     assert "| a |" not in sec
+
+
+def test_plan_cli_prints_the_edit_beside_the_first_order_bound(world, exact, tmp_path):
+    """`l47 plan` on the world (its own background): the first-order columns under their new names, each phrase's
+    edit residual as the plan computed it (the fixture's `default` plan of the same selection), the edit's line, and
+    the JSON's figures the same floats; the exit code 1 iff a phrase is short."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from l47.app.cli import app
+
+    exp = world["root"] / "exp_plan_exact.toml"
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(app, ["plan", str(exp), "--model", str(world["base"]), "--method", "ftpo", "--json",
+                                 str(out)], catch_exceptions=False)
+    fp = exact["default"]
+    assert r.exit_code == (1 if fp.short else 0), r.output
+    flat = " ".join(r.output.split())
+    assert "1st-order reach" in flat and "1st-order resid." in flat and "edit resid." in flat, r.output
+    assert f"plan's edit (the least-KL edit of the linearised problem × c = {fp.edit.c:.3g}" in flat
+    d = json.loads(out.read_text())["plan"]
+    assert d["edit"]["c"] == fp.edit.c and d["edit"]["kl"] == pytest.approx(fp.edit.kl, abs=1e-12)
+    assert "edit_dW" not in d
+    for p, js in zip(fp.phrases, d["phrases"]):
+        assert js["edit_residual"] == pytest.approx(p.edit_residual, rel=1e-6) and js["binding"] == p.binding
+        assert f"{p.edit_residual:.3f}" in r.output
+    print(r.output)
