@@ -60,7 +60,7 @@ def _states_of_events(events) -> dict:
         dump = cache.setdefault(e.doc, read_dump(e.doc))
         assert int(dump.tokens[e.pos + 1]) == e.final
         for k in out:
-            out[k].append(torch.as_tensor(np.asarray(getattr(dump, k))[e.pos], dtype=torch.float64))
+            out[k].append(torch.tensor(np.array(getattr(dump, k)[e.pos], dtype=np.float64)))
     return {k: torch.stack(v) for k, v in out.items()}
 
 
@@ -158,19 +158,23 @@ def test_scaled_edit_is_within_the_budget_and_as_large_as_it_may_be(exact):
     from l47.solvers.plan import SCALE_REL
 
     w, bg = exact["w"], exact["costly"].background
-    fp = exact["scaled"]
-    e = fp.edit
-    assert fp.joint_exact_kl > fp.kl_budget and 0 < e.c < 1
-    ref = _ref_kl(w, bg, fp.edit_dW)
-    assert e.kl == pytest.approx(ref, rel=1e-3) and e.kl <= fp.kl_budget and ref <= fp.kl_budget * (1 + 1e-3)
-    full = fp.edit_dW / e.c
-    assert _ref_kl(w, bg, full) == pytest.approx(fp.joint_exact_kl, rel=1e-3)
-    assert _ref_kl(w, bg, full * min(1.0, e.c * (1 + 2 * SCALE_REL))) > fp.kl_budget
-    wide = exact["wide"]
-    assert wide.edit.c == 1.0 and wide.edit.kl == wide.joint_exact_kl <= wide.kl_budget
-    assert torch.equal(wide.edit_dW, full.to(wide.edit_dW.dtype)) or torch.allclose(wide.edit_dW, full, rtol=1e-5,
-                                                                                     atol=1e-9)
-    assert exact["default"].edit.c == 1.0  # its background barely moves: already within the budget
+    seen_scaled = 0
+    for tag in ("scaled", "wide"):
+        fp = exact[tag]
+        e = fp.edit
+        ref = _ref_kl(w, bg, fp.edit_dW)
+        assert e.kl == pytest.approx(ref, rel=1e-3) and e.kl <= fp.kl_budget and ref <= fp.kl_budget * (1 + 1e-3)
+        assert 0 <= e.best_round < e.rounds
+        full = fp.edit_dW / e.c
+        assert _ref_kl(w, bg, full) == pytest.approx(e.kl_full, rel=1e-3)
+        if e.kl_full > fp.kl_budget:
+            seen_scaled += 1
+            assert 0 < e.c < 1 and _ref_kl(w, bg, full * min(1.0, e.c * (1 + 2 * SCALE_REL))) > fp.kl_budget
+        else:
+            assert e.c == 1.0 and e.kl == e.kl_full
+    assert seen_scaled >= 1 and exact["scaled"].joint_exact_kl > exact["scaled"].kl_budget
+    d = exact["default"]  # its background barely moves: the edit is within the budget as it is
+    assert d.edit.c == 1.0 and d.edit.kl == d.edit.kl_full <= d.kl_budget
 
 
 @pytest.mark.parametrize("power", [2.0, 4.0, 1.0])
@@ -196,9 +200,9 @@ def test_scale_to_budget_on_a_known_curve(power):
 
 def test_linearisation_binds_where_the_first_order_bound_overstates(exact):
     """(c) In the costly world at target 0.2 and budget 0.0025 the first-order bound calls every phrase reachable
-    (reachable log-odds ≥ needed) while the exact edit within the budget, and even the unscaled edit, stay above the
-    target (re-derived in f64): the binding reads `linearisation` (or, for the phrase carrying the edit, the soft
-    anchors when the edit breaks them)."""
+    (reachable log-odds ≥ needed) while the exact edit within the budget stays above the target on the train events
+    as well as unscaled (re-derived in f64): the binding reads `linearisation` — but for the phrase carrying the edit
+    when the edit breaks the soft anchors (that binding is tested below)."""
     from l47.solvers.plan import BINDING_ANCHORS, BINDING_LINEAR, carriers
 
     w, fp = exact["w"], exact["scaled"]
@@ -209,24 +213,32 @@ def test_linearisation_binds_where_the_first_order_bound_overstates(exact):
     lin = 0
     for p in fp.phrases:
         assert p.reachable_gap >= p.needed_gap and p.reachable_residual <= fp.target  # first order: reachable
-        assert min(at_c["train"][p.phrase], at_1["train"][p.phrase]) > fp.target  # exact: short, even unscaled
-        assert p.binding == (BINDING_ANCHORS if p.phrase in carry else BINDING_LINEAR)
-        lin += p.binding == BINDING_LINEAR
         assert not p.reachable
+        if p.phrase in carry:
+            assert p.binding == BINDING_ANCHORS
+            continue
+        assert at_c["train"][p.phrase] > fp.target  # exact: short on its own train events...
+        assert max(at_1["train"][p.phrase], at_1["dev"][p.phrase]) > fp.target  # ... and unscaled
+        assert p.binding == BINDING_LINEAR
+        lin += 1
     assert lin >= 2 and fp.short == fp.phrases
 
 
 def test_soft_anchors_bind_the_phrase_that_carries_the_edit(exact):
-    """The budget twice the unscaled edit's KL: c = 1, and the edit lowers the ' end' anchors' mean log p past bar
-    (d)'s tolerance (re-derived in f64 in test (a)); 'end to end', whose events carry > 90 % of the edit's KL, is
-    bound by the soft anchors (d), named in a note; the other phrases still read linearisation."""
-    from l47.solvers.plan import BINDING_ANCHORS, BINDING_LINEAR
+    """The budget twice the least-KL edit's KL: the plan's edit lowers the ' end' anchors' mean log p past bar (d)'s
+    tolerance (re-derived in f64 in test (a)); 'end to end', whose events carry > 90 % of the edit's KL, is bound by
+    the soft anchors (d), named in a note; each other phrase reads what the f64 residuals say: `dev events` where its
+    train events reach the target and its dev events do not, else `linearisation` (first order: reachable)."""
+    from l47.solvers.plan import BINDING_ANCHORS, BINDING_DEV, BINDING_LINEAR
 
-    fp = exact["wide"]
+    w, fp = exact["w"], exact["wide"]
     assert BINDING_ANCHORS in fp.edit.breaks and fp.edit.word_dlogp[" end"] < -fp.edit.word_tol
     by = {p.phrase: p for p in fp.phrases}
     assert by["end to end"].joint_kl_share > 0.9 and by["end to end"].binding == BINDING_ANCHORS
-    assert {by[x].binding for x in ("rather than", "right away")} == {BINDING_LINEAR}
+    tr = _ref_residuals(w, exact["train"], fp.edit_dW)
+    for ph in ("rather than", "right away"):
+        assert by[ph].reachable_gap >= by[ph].needed_gap and by[ph].edit_residual > fp.target
+        assert by[ph].binding == (BINDING_DEV if tr[ph] <= fp.target else BINDING_LINEAR)
     assert any("soft anchors (d) bind 'end to end'" in n for n in fp.notes)
     assert any("' end'" in n and "bar (d)" in n for n in fp.notes)
 
