@@ -270,7 +270,7 @@ def feasibility(w: TailWeights, inp: PlanInputs, cfg: WfldConfig = WfldConfig(),
         notes.append(f"the least-KL edit reaching every phrase's linearised target has an exact background KL of "
                      f"{joint.exact_kl:.3g} nats > the budget {inp.kl_budget:.3g}")
     if exact is not None:
-        out = _anchors_bind(out, exact.edit, notes)
+        out = _anchors_bind(out, exact.edit, word_owners(inp), notes)
     return FeasibilityPlan(target=inp.target, kl_budget=inp.kl_budget, f=w.f, anchors=0 if an is None else an.P,
                            anchor_rank=rank, turn_ends=inp.turn_ends, null_dim=w.f - rank, words=words, phrases=out,
                            joint_min_kl=joint.min_kl, joint_exact_kl=joint.exact_kl, metric_scale=joint.scale,
@@ -500,26 +500,50 @@ def carriers(shares: dict[str, float]) -> list[str]:
     return out
 
 
-def _anchors_bind(out: list[PhrasePlan], edit: PlanEdit, notes: list[str]) -> list[PhrasePlan]:
+def word_owners(inp: PlanInputs) -> dict[str, list[str]]:
+    """collateral word -> the phrases whose banned final token it is (token ids: a held anchor's target against the
+    phrase's train events' rejected token), sorted; a word no phrase ends in is absent."""
+    finals: dict[int, set[str]] = {}
+    for ph, r in zip(inp.event_phrase, inp.terms.rejected.tolist()):
+        finals.setdefault(int(r), set()).add(ph)
+    out: dict[str, set[str]] = {}
+    if inp.held is not None:
+        for wd, t in zip(inp.held_words, inp.held.target.tolist()):
+            if wd != names.IM_END and int(t) in finals:
+                out.setdefault(wd, set()).update(finals[int(t)])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _anchors_bind(out: list[PhrasePlan], edit: PlanEdit, owners: dict[str, list[str]],
+                  notes: list[str]) -> list[PhrasePlan]:
     """When the plan's edit breaks a soft anchor's tolerance (bar (d) per word, bar (f) at turn ends): a note, and
-    that constraint (the one broken by the larger multiple of its tolerance) named as the binding of the phrases that
-    carry most of the edit (the soft anchors hold the solver before the budget, the dev events or the linearisation
-    do; a phrase without train events or blocked by the anchors' span keeps that name)."""
+    that constraint named as the binding of the phrases it holds — for a collateral word, the phrases whose final
+    token it is (`word_owners`: lowering the word's ordinary uses is the price of lowering the phrase); for the turn
+    ends, or a word no phrase ends in, the phrases whose events carry most of the edit (`carriers`). A phrase held by
+    both takes the one broken by the larger multiple of its tolerance; a phrase without train events or blocked by
+    the anchors' span keeps that name (the soft anchors hold the solver before the budget, the dev events or the
+    linearisation do)."""
     if not edit.breaks:
         return out
-    over = {}
-    if BINDING_ANCHORS in edit.breaks:
-        wd, v = min(edit.word_dlogp.items(), key=lambda kv: kv[1])
-        over[BINDING_ANCHORS] = -v / edit.word_tol
-        notes.append(f"the plan's edit (c = {edit.c:.3g}, exact KL {edit.kl:.3g}) lowers the mean log p of {wd!r}'s "
-                     f"anchors by {-v:.3g} nats > the soft anchors' tolerance {edit.word_tol:g} (bar (d))")
+    carry = carriers({p.phrase: p.joint_kl_share for p in out if p.binding != BINDING_EVENTS})
+    held: dict[str, tuple[float, str]] = {}  # phrase -> (multiple of the tolerance, binding)
+
+    def hold(phrases, over: float, bind: str, what: str) -> None:
+        for ph in phrases:
+            if over > held.get(ph, (0.0, ""))[0]:
+                held[ph] = (over, bind)
+        notes.append(f"the plan's edit (c = {edit.c:.3g}, exact KL {edit.kl:.3g}) lowers {what}: {bind} bind "
+                     + ", ".join(repr(p) for p in phrases))
+
+    for wd, v in sorted(edit.word_dlogp.items(), key=lambda kv: kv[1]):
+        if v < -edit.word_tol:
+            own = owners.get(wd)
+            hold(own or carry, -v / edit.word_tol, BINDING_ANCHORS,
+                 f"the mean log p of {wd!r}'s anchors by {-v:.3g} nats > the soft anchors' tolerance {edit.word_tol:g} "
+                 f"(bar (d); " + ("the phrases ending in it" if own else "the phrases carrying most of the edit") + ")")
     if BINDING_ENDS in edit.breaks:
-        over[BINDING_ENDS] = -edit.turn_end_dlogp / edit.turn_end_tol
-        notes.append(f"the plan's edit (c = {edit.c:.3g}, exact KL {edit.kl:.3g}) lowers the turn ends' mean log "
-                     f"p(<|im_end|>) by {-edit.turn_end_dlogp:.3g} nats > the tolerance {edit.turn_end_tol:g} (bar (f))")
-    bind = max(over, key=over.get)
-    who = set(carriers({p.phrase: p.joint_kl_share for p in out if p.binding != BINDING_EVENTS}))
-    notes.append(f"{bind} bind {', '.join(repr(p) for p in sorted(who))}: the phrases whose events carry most of the "
-                 f"plan's edit")
-    return [replace(p, binding=bind) if p.phrase in who and p.binding not in (BINDING_EVENTS, BINDING_SPAN) else p
-            for p in out]
+        hold(carry, -edit.turn_end_dlogp / edit.turn_end_tol, BINDING_ENDS,
+             f"the turn ends' mean log p(<|im_end|>) by {-edit.turn_end_dlogp:.3g} nats > the tolerance "
+             f"{edit.turn_end_tol:g} (bar (f); the phrases carrying most of the edit)")
+    return [replace(p, binding=held[p.phrase][1]) if p.phrase in held and p.binding not in (BINDING_EVENTS, BINDING_SPAN)
+            else p for p in out]

@@ -201,15 +201,17 @@ def test_scale_to_budget_on_a_known_curve(power):
 def test_linearisation_binds_where_the_first_order_bound_overstates(exact):
     """(c) In the costly world at target 0.2 and budget 0.0025 the first-order bound calls every phrase reachable
     (reachable log-odds ≥ needed) while the exact edit within the budget stays above the target on the train events
-    as well as unscaled (re-derived in f64): the binding reads `linearisation` — but for the phrase carrying the edit
-    when the edit breaks the soft anchors (that binding is tested below)."""
-    from l47.solvers.plan import BINDING_ANCHORS, BINDING_LINEAR, carriers
+    as well as unscaled (re-derived in f64): the binding reads `linearisation` — but for a phrase whose final word's
+    anchors the edit lowers past bar (d)'s tolerance (that binding is tested below)."""
+    from l47.solvers.plan import BINDING_ANCHORS, BINDING_ENDS, BINDING_LINEAR
 
     w, fp = exact["w"], exact["scaled"]
     full = fp.edit_dW / fp.edit.c
     at_c = {s: _ref_residuals(w, exact[s], fp.edit_dW) for s in ("train", "dev")}
     at_1 = {s: _ref_residuals(w, exact[s], full) for s in ("train", "dev")}
-    carry = set(carriers({p.phrase: p.joint_kl_share for p in fp.phrases})) if fp.edit.breaks else set()
+    assert BINDING_ENDS not in fp.edit.breaks
+    broken = {wd.strip() for wd, v in fp.edit.word_dlogp.items() if v < -fp.edit.word_tol}
+    carry = {p.phrase for p in fp.phrases if p.phrase.split()[-1] in broken}  # by text, the plan goes by token id
     lin = 0
     for p in fp.phrases:
         assert p.reachable_gap >= p.needed_gap and p.reachable_residual <= fp.target  # first order: reachable
@@ -226,8 +228,8 @@ def test_linearisation_binds_where_the_first_order_bound_overstates(exact):
 
 def test_soft_anchors_bind_the_phrase_that_carries_the_edit(exact):
     """The budget twice the least-KL edit's KL: the plan's edit lowers the ' end' anchors' mean log p past bar (d)'s
-    tolerance (re-derived in f64 in test (a)); 'end to end', whose events carry > 90 % of the edit's KL, is bound by
-    the soft anchors (d), named in a note; each other phrase reads what the f64 residuals say: `dev events` where its
+    tolerance (re-derived in f64 in test (a)); 'end to end', the phrase ending in ' end' (and whose events carry
+    > 90 % of the edit's KL), is bound by the soft anchors (d), named in a note; each other phrase reads what the f64 residuals say: `dev events` where its
     train events reach the target and its dev events do not, else `linearisation` (first order: reachable)."""
     from l47.solvers.plan import BINDING_ANCHORS, BINDING_DEV, BINDING_LINEAR
 
@@ -261,6 +263,40 @@ def test_binding_and_carriers_decisions():
     assert carriers({"a": 0.6, "b": 0.3, "c": 0.1}) == ["a"]
     assert carriers({"a": 0.4, "b": 0.35, "c": 0.25}) == ["a", "b"]
     assert carriers({"a": 0.0, "b": 0.0}) == []
+
+
+def test_soft_anchor_bindings_go_to_the_phrases_they_hold():
+    """Numbers in, bindings out: a broken word binds the phrases ending in it; a broken word no phrase ends in, and
+    broken turn ends, bind the carriers of the edit; a phrase held twice takes the larger multiple of its tolerance;
+    no train events / anchors' span keep their name; nothing broken changes nothing."""
+    from l47.solvers.plan import (BINDING_ANCHORS, BINDING_ENDS, BINDING_EVENTS, BINDING_LINEAR, BINDING_NONE,
+                                  PhrasePlan, PlanEdit, _anchors_bind)
+
+    def pp(ph, share, binding=BINDING_NONE):
+        return PhrasePlan(ph, {}, 0.5, 1.0, 1.0, 0.0, 0.0, 0, 2.0, 0.1, share, binding)
+
+    out = [pp("a b", 0.7), pp("c d", 0.2, BINDING_LINEAR), pp("e f", 0.1), pp("g h", 0.0, BINDING_EVENTS)]
+
+    def edit(words, ends):
+        e = PlanEdit(c=1.0, kl=1e-3, word_dlogp=words, word_tol=0.05, turn_end_dlogp=ends, turn_end_tol=0.005)
+        return dataclasses.replace(e, breaks=[b for b, on in ((BINDING_ANCHORS, min(words.values()) < -0.05),
+                                                              (BINDING_ENDS, ends < -0.005)) if on])
+
+    def run(words, ends, owners):
+        notes: list[str] = []
+        return {p.phrase: p.binding for p in _anchors_bind(out, edit(words, ends), owners, notes)}, notes
+
+    got, notes = run({" d": -0.2, " f": -0.01}, -0.001, {" d": ["c d"], " f": ["e f"]})
+    assert got == {"a b": BINDING_NONE, "c d": BINDING_ANCHORS, "e f": BINDING_NONE, "g h": BINDING_EVENTS}
+    assert len(notes) == 1 and "' d'" in notes[0] and "0.2 nats" in notes[0] and "'c d'" in notes[0]
+    got, _ = run({" x": -0.1}, -0.001, {})  # a word no phrase ends in: the carriers ("a b": 70 % > half)
+    assert got == {"a b": BINDING_ANCHORS, "c d": BINDING_LINEAR, "e f": BINDING_NONE, "g h": BINDING_EVENTS}
+    got, _ = run({" b": -0.06}, -0.05, {" b": ["a b"]})  # "a b": word ×1.2 vs turn ends ×10 -> turn ends
+    assert got["a b"] == BINDING_ENDS and got["c d"] == BINDING_LINEAR
+    got, _ = run({" b": -0.5}, -0.006, {" b": ["a b"]})  # word ×10 vs turn ends ×1.2 -> the word
+    assert got["a b"] == BINDING_ANCHORS
+    got, notes = run({" b": -0.01}, -0.001, {" b": ["a b"]})
+    assert got == {p.phrase: p.binding for p in out} and notes == []
 
 
 # ----------------------------------------------------------------------------------------------------------
