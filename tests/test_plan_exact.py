@@ -396,3 +396,19 @@ def test_plan_cli_prints_the_edit_beside_the_first_order_bound(world, exact, tmp
         assert js["edit_residual"] == pytest.approx(p.edit_residual, rel=1e-6) and js["binding"] == p.binding
         assert f"{p.edit_residual:.3f}" in r.output
     print(r.output)
+
+
+def test_bench_plan_summary_is_the_plans_figures(exact):
+    """What the bench records of a plan (`plan_summary`, JSON-ready): per phrase the plan's own edit residuals and
+    binding, the target and the edit, the same floats."""
+    import json
+
+    be = _bench()
+    fp = exact["wide"]
+    s = json.loads(json.dumps(be.plan_summary(fp)))
+    assert s["plan_target"] == fp.target and s["plan_edit"]["c"] == fp.edit.c and s["plan_edit"]["kl"] == fp.edit.kl
+    for p in fp.phrases:
+        x = s["plan"][p.phrase]
+        assert (x["edit_residual"], x["edit_residual_train"], x["edit_residual_dev"], x["binding"]) == \
+            (p.edit_residual, p.edit_residual_train, p.edit_residual_dev, p.binding)
+        assert x["first_order_residual"] == p.reachable_residual
