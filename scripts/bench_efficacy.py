@@ -5,7 +5,9 @@ Per model (the demo, model2) and per method (wfld, ftpo):
     dump (hf engine) -> experiment.toml with NO [solver] table (no per-model knob) -> sets -> solve -> audit
 and it records: events per phrase per split, per-phrase dev and held-out residual (mean p(rejected) after /
 before, with a bootstrap-over-documents 90 % interval), exact vs predicted background KL, every bar's value
-and verdict, wall time per step. A method that fails (an L47Error such as an infeasible solve) is recorded
+and verdict, wall time per step; before each solve, the plan `l47 plan` prints (its edit's exact residual per
+phrase, issue 37 item 4) beside the solver's residual, and a section "plan vs solver" listing every phrase where
+they disagree (the plan reachable and the solver short, or not within 2×). A method that fails (an L47Error such as an infeasible solve) is recorded
 with its message; the benchmark goes on.
 
 Usage:
@@ -187,7 +189,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
     from l47.dumps.select import SPLITS
     from l47.errors import L47Error
     from l47.evals.audit import AuditArgs, run_audit
-    from l47.solvers.solve import SolveArgs, run_solve
+    from l47.solvers.solve import SolveArgs, run_plan, run_solve
 
     from l47.data.sets import load_sets_report
     from l47.fileio import write_text_atomic
@@ -224,6 +226,17 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
         mdir.mkdir(parents=True, exist_ok=True)
         bundle = mdir / "bundle.gguf"
         t0 = time.time()
+        res["command"] = m["command"] = f"l47 plan {exp} --sets {sets_json} --method {method}"
+        try:  # the plan `l47 plan` prints (solvers/solve.py run_plan), before the solve: what it predicts
+            fp, _ = run_plan(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
+                                       device=opts.device))
+            m.update(plan_summary(fp), plan_s=round(time.time() - t0, 1))
+            log(f"{spec.name}/{method}: plan " + ", ".join(f"{ph} {_f(x['edit_residual'])} ({x['binding']})"
+                                                          for ph, x in m["plan"].items()))
+        except L47Error as e:
+            m.update(plan_error=str(e), plan_s=round(time.time() - t0, 1))
+            log(f"{spec.name}/{method}: plan refused: {e}")
+        t0 = time.time()
         res["command"] = m["command"] = f"l47 solve {exp} --sets {sets_json} --method {method} --out {bundle}"
         try:
             solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
@@ -241,6 +254,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
         m["dW_rel_norm"] = c.dW_rel_norm
         m["convergence"] = dataclasses.asdict(c.convergence) if c.convergence is not None else None
         m["anchors"] = dataclasses.asdict(c.anchors) if c.anchors is not None else None
+        m["solver_residual"] = solver_residuals(c)
         t0 = time.time()
         res["command"] = m["command"] = f"l47 audit {bundle} --base {spec.model} --experiment {exp} --out {mdir / 'audit'}"
         try:
@@ -265,6 +279,66 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
                                        log)
     res.pop("command", None)
     return res
+
+
+def plan_summary(fp) -> dict:
+    """The plan's figures the bench compares with the solver: its target, its edit (c, exact KL, the soft anchors'
+    figures) and per phrase the exact edit residual (train, dev, the larger: the solver's at-target rule), the
+    first-order bound's residual and the binding constraint."""
+    return {"plan_target": fp.target,
+            "plan_edit": None if fp.edit is None else dataclasses.asdict(fp.edit),
+            "plan": {p.phrase: {"edit_residual": p.edit_residual, "edit_residual_train": p.edit_residual_train,
+                                "edit_residual_dev": p.edit_residual_dev, "edit_residual_full": p.edit_residual_full,
+                                "first_order_residual": p.reachable_residual, "binding": p.binding}
+                     for p in fp.phrases}}
+
+
+def solver_residuals(claims) -> dict[str, float]:
+    """phrase -> the solver's residual as its at-target rule reads it: the larger of its dev and train residuals
+    (Σ p after / Σ p before over the phrase's events on the shipped weights: the solve record's mean p per phrase,
+    the same events before and after)."""
+    from l47.solvers.ftpo import at_target_residuals
+
+    def ratio(pr) -> dict[str, float]:
+        if pr is None:
+            return {}
+        return {ph: pr.per_phrase_after[ph] / b for ph, b in pr.per_phrase_before.items() if b > 0}
+
+    return at_target_residuals(ratio(claims.train_p_rejected), ratio(claims.dev_p_rejected))
+
+
+PLAN_AGREES = (0.5, 2.0)  # issue 37 item 4: the solver's residual within 2× of the plan's, either way
+
+
+def plan_vs_solver(results: dict) -> list[dict]:
+    """Every (model, method, phrase) where the plan and the solver disagree: the plan says reachable (its edit's
+    residual ≤ the target) and the solver falls short (its at-target residual > the target), or the ratio
+    solver / plan is outside PLAN_AGREES. Rows {model, method, phrase, target, plan, solver, ratio, binding, why}."""
+    out = []
+    lo, hi = PLAN_AGREES
+    for name, r in results.get("models", {}).items():
+        for mn, m in (r.get("methods") or {}).items():
+            plan, solver, t = m.get("plan") or {}, m.get("solver_residual") or {}, m.get("plan_target")
+            for ph, x in plan.items():
+                pr, sr = x.get("edit_residual"), solver.get(ph)
+                if pr is None or sr is None or t is None:
+                    continue
+                ratio = sr / pr if pr > 0 else None  # None: the plan's edit removed every bit of p
+                why = []
+                if pr <= t < sr:
+                    why.append("plan reachable, solver short")
+                if ratio is None or not lo <= ratio <= hi:
+                    why.append(f"solver/plan outside [{lo:g}, {hi:g}]")
+                if why:
+                    out.append({"model": name, "method": mn, "phrase": ph, "target": t, "plan": pr, "solver": sr,
+                                "ratio": ratio, "binding": x.get("binding"), "why": "; ".join(why)})
+    return out
+
+
+def _ratio_cell(m: dict, ph: str) -> str:
+    """solver / plan for one phrase of one method ('—' when either is missing)."""
+    pr, sr = ((m.get("plan") or {}).get(ph) or {}).get("edit_residual"), (m.get("solver_residual") or {}).get(ph)
+    return "—" if pr is None or sr is None or pr <= 0 else f"{sr / pr:.2f}"
 
 
 BLIND_CHATS = 8  # fresh chats per blind set, as `l47 demo` signs off (l47.app.demo.BLIND_CHATS)
@@ -460,8 +534,9 @@ def markdown(results: dict) -> str:
             lines += [f"### {name} (`{Path(r['model']).name}`)", ""]
         lines += [
                   "| phrase | events train/dev/held-out | " +
-                  " | ".join(f"{m} dev | {m} held-out | {m} blind" for m in r["methods"]) + " |",
-                  "|---|---|" + "---|---|---|" * len(r["methods"])]
+                  " | ".join(f"{m} dev | {m} held-out | {m} blind" for m in r["methods"]) + " | " +
+                  " | ".join(f"{m} plan | {m} solver/plan" for m in r["methods"]) + " |",
+                  "|---|---|" + "---|---|---|" * len(r["methods"]) + "---|---|" * len(r["methods"])]
         for ph, ev in list(r["events"].items()) + [("(all)", None)]:
             cells = [ph, "" if ev is None else f"{ev['train']}/{ev['dev']}/{ev['heldout']}"]
             for m in r["methods"].values():
@@ -469,6 +544,10 @@ def markdown(results: dict) -> str:
                           ((m.get("blind") or {}).get("per_phrase") or {}).get(ph)):
                     cells.append("—" if not x or x["residual"] is None else
                                  f"{x['residual']:.2f} [{_f(x['lo'], 2)}, {_f(x['hi'], 2)}]")
+            for m in r["methods"].values():  # the plan's edit residual (its binding) and the solver's over it
+                x = (m.get("plan") or {}).get(ph)
+                cells += ["—" if not x or x["edit_residual"] is None else
+                          f"{x['edit_residual']:.2f} ({x['binding']})", _ratio_cell(m, ph)]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "| method | verdict | blind | bg KL exact | bg KL predicted | ‖ΔW‖/‖W‖ | stop | steps | failed bars | "
                   "solve s | audit s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -499,13 +578,26 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {b} | " + " | ".join(row) + " |")
         lines += ["", f"dump {r['dump_s']} s, sets {r['sets_s']} s, model total {r.get('total_s')} s; sets warnings: "
                   f"{'; '.join(r['sets_warnings']) or 'none'}", ""]
+    rows = plan_vs_solver(results)
+    lines += ["## plan vs solver", "", "Every phrase where `l47 plan`'s edit reaches the target and the solver falls "
+              "short, or the solver's residual (the larger of dev and train) is not within 2× of the plan's edit "
+              "residual: a bug in one of them (issue 37 item 4).", ""]
+    if rows:
+        lines += ["| model | method | phrase | target | plan | solver | solver/plan | plan binding | why |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['model']} | {x['method']} | {x['phrase']} | {x['target']:g} | {x['plan']:.3g} | "
+                  f"{x['solver']:.3g} | {_f(x['ratio'], 3)} | {x['binding']} | {x['why']} |" for x in rows]
+    else:
+        lines.append("none")
+    lines.append("")
     return "\n".join(lines)
 
 
 def write_results(out: Path, results: dict) -> str:
     from l47.fileio import write_text_atomic
 
-    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
+    write_text_atomic(out / "results.json", json.dumps({**results, "plan_vs_solver": plan_vs_solver(results)},
+                                                       indent=1))
     md = markdown(results)
     write_text_atomic(out / "results.md", md)
     return md

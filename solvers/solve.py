@@ -256,9 +256,17 @@ def refuse_thin(exp, report) -> None:
 
 def check_feasible(problem: Problem):
     """The feasibility plan (solvers/plan.py) for the problem's kept selection: per phrase events, base p, needed
-    and reachable log-odds, share inside the protected span, binding constraint."""
+    and reachable log-odds, share inside the protected span, binding constraint, the plan's edit checked exactly."""
+    return feasibility(problem.plan.w, plan_inputs(problem), problem.plan.cfg.wfld,
+                       soft_anchors=problem.solver.soft_anchors)
+
+
+def plan_inputs(problem: Problem) -> PlanInputs:
+    """What the plan reads of the problem: the kept selection's events, background and anchors (the span), its dev
+    events (their states: the plan's edit is measured on them) and the anchors the solver holds with bars (d)/(f)'s
+    tolerances."""
     plan, sel = problem.plan, problem.kept
-    r = plan.report
+    r, th = plan.report, plan.exp.thresholds
     phrases = [p.phrase for p in r.phrases]
     counts: dict[str, dict] = {ph: {} for ph in phrases}
     pb: dict[str, list] = {ph: [] for ph in phrases}
@@ -272,13 +280,23 @@ def check_feasible(problem: Problem):
         raise L47Error(plan.exp.path, f"phrases.text = {empty[0]!r}", "a phrase with at least one event (prefix-exact, "
                        f"base p ≥ {r.thresholds['non_event_p']}) in the experiment's documents", "zero events")
     words = [c.word for c in sel.anchors] + [names.IM_END] * len(sel.turn_ends)
-    return feasibility(plan.w, PlanInputs(
+    dev = problem.dev if problem.dev is not None else plan.dumps.batch([(e.doc_sha256, e.pos) for e in sel.dev])
+    at = {(e.doc_sha256, e.pos): e for e in sel.dev}  # the batch's rows by provenance (grouped by document)
+    dev_ev = [at[k] for k in zip(dev.doc, dev.pos)] if dev is not None else []
+    held = problem.protected  # what the solver's soft anchors hold: every collateral anchor, then the turn ends
+    label = {(c.doc_sha256, c.pos): c.word for c in problem.selection.anchors}
+    n_col = 0 if held is None else held.P - (0 if problem.turn_ends is None else problem.turn_ends.P)
+    held_words = [] if held is None else ([label[k] for k in zip(held.doc[:n_col], held.pos[:n_col])]
+                                          + [names.IM_END] * (held.P - n_col))
+    return PlanInputs(
         phrases, counts, {k: float(np.mean(v)) if v else float("nan") for k, v in pb.items()}, problem.events,
         [e.phrase for e in sel.train], np.asarray([e.p_base for e in sel.train]), problem.terms, problem.background,
         problem.kept_protected, words, len(sel.turn_ends), plan.cfg.target_residual, problem.kl_budget.nats,
         [e.doc_sha256 for e in sel.train],
-        [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_base": e.p_base} for e in sel.dev]), plan.cfg.wfld,
-        soft_anchors=problem.solver.soft_anchors)
+        [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_base": e.p_base} for e in sel.dev],
+        dev_events=dev, dev_final=np.asarray([e.final for e in dev_ev], dtype=np.int64),
+        dev_phrase=[e.phrase for e in dev_ev], held=held, held_words=held_words,
+        word_tol=abs(th.collateral_word_mean), end_tol=abs(th.im_end_dlogp))
 
 
 def describe_feasibility(fp) -> list[str]:
@@ -290,8 +308,9 @@ def describe_feasibility(fp) -> list[str]:
         if p.binding == BINDING_EVENTS:
             out.append(f"plan: {p.phrase!r} cannot be trained: no train events ({p.events})")
             continue
-        out.append(f"plan: {p.phrase!r} cannot reach its target: {p.binding} (needs {p.needed_gap:.3g} nats of "
-                   f"log-odds, reachable {p.reachable_gap:.3g}; {p.events.get('train', 0)} train events, "
+        edit = "" if p.edit_residual is None else f"the plan's edit within the budget reaches {p.edit_residual:.3g}; "
+        out.append(f"plan: {p.phrase!r} cannot reach its target: {p.binding} ({edit}needs {p.needed_gap:.3g} nats of "
+                   f"log-odds, first-order reachable {p.reachable_gap:.3g}; {p.events.get('train', 0)} train events, "
                    f"{p.span_share_mean:.0%} of their keys inside the protected span)")
     return out + [f"plan: {n}" for n in fp.notes]
 

@@ -430,18 +430,26 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
                                         log=lambda m: console.print(m, highlight=False))
     bound = "soft anchors (ftpo)" if fp.anchors_soft else "exact anchors (wfld)"  # the experiment's method
     t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats; {bound}")
-    for c in ("phrase", "train", "dev", "heldout", "base p", "train p [90%]", "dev p [90%]", "needed", "reachable",
-              "resid.", "in span", "binding"):
+    # the first-order bound (needed vs reachable log-odds, its residual) beside the plan's edit checked exactly (its
+    # residual: the larger of dev and train, the solver's at-target rule); "binding" reads the exact figure
+    for c in ("phrase", "train", "dev", "heldout", "base p", "train p [90%]", "dev p [90%]", "needed",
+              "1st-order reach", "1st-order resid.", "edit resid.", "in span", "binding"):
         t.add_column(c, justify="left" if c in ("phrase", "binding") else "right")
     for p in fp.phrases:
         t.add_row(p.phrase, str(p.events.get("train", 0)), str(p.events.get("dev", 0)),
                   str(p.events.get("heldout", 0)), _fmt(p.p_base, ".3f"), _p_interval(p.p_base_train),
                   _p_interval(p.p_base_dev), _fmt(p.needed_gap, ".2f"),
-                  _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.span_share_mean, ".0%"),
-                  p.binding)
+                  _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.edit_residual, ".3f"),
+                  _fmt(p.span_share_mean, ".0%"), p.binding)
     from l47.app.tables import fit
 
     console.print(fit(t, console.width))  # 80 columns: the vertical form when the columns do not fit
+    e = fp.edit
+    if e is not None:
+        console.print(f"plan's edit (the least-KL edit of the linearised problem × c = {e.c:.3g}, measured exactly): "
+                      f"background KL {e.kl:.3g} of {fp.kl_budget:.3g}; soft anchors' worst word mean Δlog p "
+                      f"{_fmt(min(e.word_dlogp.values(), default=None), '.3g')} (tol {e.word_tol:g}), turn ends' "
+                      f"Δlog p(<|im_end|>) {_fmt(e.turn_end_dlogp, '.3g')} (tol {e.turn_end_tol:g})", highlight=False)
     console.print(f"anchors: {fp.anchors} rows ({fp.turn_ends} turn ends), rank {fp.anchor_rank} of f = {fp.f}"
                   + ("" if choice is None else f", budget {choice.budget}"), highlight=False)
     for word, c in sorted(fp.words.items(), key=lambda kv: -kv[1]["unique_directions"])[:6]:
