@@ -44,6 +44,7 @@ import torch
 from l47.model.weights import Numerics, TailWeights
 from l47.solvers.batch import Batch, batch_mix
 from l47.tail.forward import head_stats, streamed_kl, streamed_lse
+from l47.errors import L47Error
 
 PROBE_ROWS = 256  # mixer rows of each timed pass (the step's background batch is 512)
 PROBE_VOCAB = 16384  # head rows of each timed pass (two default chunks)
@@ -231,8 +232,6 @@ def estimate_solve(problem, units: UnitCosts | None = None) -> Estimate:
     not given."""
     name = problem.solver.name
     if name not in ESTIMATORS:
-        from l47.errors import L47Error
-
         raise L47Error("solve time estimate", "method", f"one of {tuple(ESTIMATORS)}", repr(name))
     fn, table = ESTIMATORS[name]
     u = units or measure_units(problem.plan.w)

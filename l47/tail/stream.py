@@ -46,6 +46,7 @@ import torch
 from l47.model.weights import PRECISIONS, SPLITS, Numerics
 from l47.tail import fused
 from l47.tail.topk import topk_lowest_id
+from l47.errors import L47Error
 
 DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries stay small
 CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check
@@ -119,8 +120,6 @@ def check_precision(mix: torch.Tensor, head: torch.Tensor, num: Numerics, chunk:
         return
     want = num.precision
     if want not in PRECISIONS + ("auto",):
-        from l47.errors import L47Error
-
         raise L47Error("--precision", "precision", "f32, split-fp16, split-bf16 or auto", repr(want))
     if want == "f32" or (want == "auto" and not mix.is_cuda):
         num.used = "f32"
