@@ -29,7 +29,7 @@ import torch
 from l47.model import names
 from l47.errors import L47Error
 from l47.model.gguf_io import open_gguf, write_gguf
-from l47.model.quants import dequantize, quantize
+from l47.model.quants import dequantize, quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
 from l47.model.weights import runtime_tensor
 
 F32 = int(gguf.GGMLQuantizationType.F32)

@@ -42,7 +42,7 @@ from gguf import quants as gq
 from l47.model import names
 from l47.errors import L47Error
 from l47.model.gguf_io import write_gguf
-from l47.model.quants import quantize
+from l47.model.quants import quantize  # Q6_K and friends: gguf.quants only dequantizes K-quants
 
 
 @dataclass(frozen=True)
