@@ -26,8 +26,8 @@ import gguf
 import numpy as np
 import torch
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names
 from l47.model.gguf_io import open_gguf, write_gguf
 from l47.model.quants import dequantize, quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
 from l47.model.weights import runtime_tensor

@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config, require_strict_load
 from l47.errors import L47Error
 from l47.fileio import sha256_file
-from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config, require_strict_load
 from l47.model import names
 from l47.model.gguf_io import open_gguf
 from l47.model.weights import TailWeights

@@ -41,10 +41,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from l47.errors import L47Error
 from l47.model.weights import Numerics, TailWeights
 from l47.solvers.batch import Batch, batch_mix
 from l47.tail.forward import head_stats, streamed_kl, streamed_lse
-from l47.errors import L47Error
 
 PROBE_ROWS = 256  # mixer rows of each timed pass (the step's background batch is 512)
 PROBE_VOCAB = 16384  # head rows of each timed pass (two default chunks)

@@ -27,8 +27,8 @@ from l47.data import record as rec
 from l47.errors import L47Error
 from l47.solvers.anchors import AnchorChoice, choose_anchors
 from l47.solvers.batch import Batch, EventTerms, batch_cat, pick_chosen
-from l47.solvers.select import Selection, SelectionPolicy, select_positions
 from l47.solvers.bundle import requantize_target
+from l47.solvers.select import Selection, SelectionPolicy, select_positions
 
 if TYPE_CHECKING:
     from l47.solvers.solve import SolvePlan

@@ -26,17 +26,17 @@ from l47.app.bench_common import (REAL, SMALL, FtpoCounts, peak, reset_peak, syn
                                   synthetic_ftpo_problem, synthetic_weights, timed)
 from l47.app.bench_fused import SWEEP, bench_head_cuda, sweep_errors, sweep_split
 from l47.app.bench_pipeline import SIZES, bench_pipeline, print_pipeline
-from l47.fileio import write_text_atomic
-from l47.solvers.batch import EventTerms, batch_mix
-from l47.solvers.wfld import WfldConfig, solve_wfld
-from l47.tail import fused, stream
-from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
 from l47.errors import L47Error
+from l47.fileio import write_text_atomic
 from l47.model.weights import Numerics
+from l47.solvers.batch import EventTerms, batch_mix
 from l47.solvers.estimate import SolveShape, estimate_ftpo, measure_units
 from l47.solvers.ftpo import FtpoConfig, _Judge, _Objective, train_ftpo
 from l47.solvers.ftpo.basis import _parameterise
 from l47.solvers.ftpo.objective import Step, _Rotation
+from l47.solvers.wfld import WfldConfig, solve_wfld
+from l47.tail import fused, stream
+from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
 
 
 @dataclass(frozen=True)

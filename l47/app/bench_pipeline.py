@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from l47.app.bench_common import peak, reset_peak, sync
-from l47.testing.synth import SynthDims, synth_dump_arrays, write_synth_gguf
 from l47.app.estimate_view import estimate_dict, plan_and_estimate
 from l47.data.sets import build_sets, write_sets_json
 from l47.dumps import DumpMeta, write_dump
@@ -64,6 +63,7 @@ from l47.model.weights import load_tail_weights
 from l47.solvers.methods import solver_for
 from l47.solvers.solve import DEFAULT_METHOD, SolveArgs, run_solve
 from l47.tail.forward import full_logits, tail_mix
+from l47.testing.synth import SynthDims, synth_dump_arrays, write_synth_gguf
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "demo_data"
 PHRASES = ("end to end", "short version", "here's what", "exactly what", "what's actually", "right away",

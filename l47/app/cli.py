@@ -19,8 +19,8 @@ import typer.core
 from rich.console import Console
 from rich.table import Table
 
-from l47.errors import L47Error
 from l47.app.tables import FittedConsole, fit, json_to_stdout
+from l47.errors import L47Error
 from l47.fileio import Interrupted, begin_command, install_signal_cleanup, interrupt_cleanup, write_text_atomic
 
 PRECISION_HELP = ("head GEMM: f32 | split-fp16 | split-bf16 (default: split-fp16 on CUDA after a per-run check "

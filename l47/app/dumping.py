@@ -25,11 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from l47.model import names
-from l47.dumps.schema import provenance_of
-from l47.errors import L47Error
 from l47.dumps import DumpMeta, SCHEMA_VERSION, dump_nbytes, read_dump, write_dump
 from l47.dumps.chat import DocumentSet, chat_segments, read_documents, render_document, tokenize_segments
+from l47.dumps.schema import provenance_of
 from l47.engine import strata
 from l47.engine.gguf_export import load_hf, load_hf_from_gguf, read_hf_config
 from l47.engine.hf import (
@@ -37,6 +35,8 @@ from l47.engine.hf import (
     load_hf_placed, model_id, place_model, tail_weights_from_model,
 )
 from l47.engine.qsa import share_indexer_work
+from l47.errors import L47Error
+from l47.model import names
 from l47.model.gguf_io import open_gguf
 from l47.model.vocab import require_specials, vocab_for_model, vocab_from_checkpoint
 from l47.model.weights import _hparam, check_dump_dims, load_tail_weights

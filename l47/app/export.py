@@ -30,14 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from l47.errors import L47Error
-from l47.model import names
 from l47.app import dumping
 from l47.app.paths import GGUF, Output, check_outputs
 from l47.dumps import read_dump
 from l47.dumps.chat import document_from_record, render_document
 from l47.engine import gguf_export as GE  # called through the module: tests replace its functions
+from l47.errors import L47Error
 from l47.fileio import sha256_file, temp_dir
+from l47.model import names
 from l47.model.vocab import checkpoint_tokenizer_kv, require_specials, vocab_from_kv
 
 TYPE_GROUPS = ("target", "head", "hc")  # --target-type (every blk.*.ffn_down_shexp), --head-type, --hc-type

@@ -25,9 +25,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from l47.errors import L47Error
 from l47.data import experiment as E
 from l47.data.experiment import load_experiment
+from l47.errors import L47Error
 from l47.fileio import staging_dir
 from l47.model.gguf_io import open_gguf
 from l47.model.names import ARCH, KEY_ARCH

@@ -7,10 +7,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from l47.model import names
-from l47.errors import L47Error
 from l47.dumps import read_dump
 from l47.engine.gguf_export import read_hf_config
+from l47.errors import L47Error
+from l47.model import names
 from l47.model.gguf_io import open_gguf
 from l47.model.vocab import checkpoint_tokenizer_kv, vocab_from_kv
 

@@ -25,11 +25,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from l47.errors import L47Error
-from l47.model import names
 from l47.data.experiment import load_experiment
 from l47.dumps import read_dump
 from l47.dumps.select import chat_structure, find_events, phrases_to_tuples
+from l47.errors import L47Error
+from l47.model import names
 from l47.model.vocab import resolve_vocab
 from l47.model.weights import edited_weight, load_tail_weights
 from l47.solvers.select import near_miss_rows

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from l47.errors import L47Error
 from l47.app.dumping import DUMP_SUFFIX, REFUSED_SUFFIX, dump_name, estimate_dump_bytes
 from l47.app.score import TSV_BASE, TSV_PAIRED
 from l47.data.experiment import load_experiment
@@ -30,6 +29,7 @@ from l47.data.record import record_path_for
 from l47.data.sets import SCHEMA, check_sets_report, load_sets_report
 from l47.dumps import read_dump
 from l47.dumps.chat import read_documents
+from l47.errors import L47Error
 from l47.evals.audit import AUDIT_SCHEMA
 from l47.evals.penalty import FORMS, PENALTY_SCHEMA
 from l47.evals.plots import SWEEP_PLOT_TITLE

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from l47.errors import L47Error
-from l47.fileio import write_text_atomic
-from l47.tail.forward import HeadStats, PairedStats, score_dump, score_pair
-from l47.model.weights import TailWeights, check_dump_dims, edited_weight, load_tail_weights, runtime_tensor
 from l47.data.identity import other_model_stamp
 from l47.data.ledger import Ledger
 from l47.dumps import read_dump
+from l47.errors import L47Error
+from l47.fileio import write_text_atomic
+from l47.model.weights import TailWeights, check_dump_dims, edited_weight, load_tail_weights, runtime_tensor
+from l47.tail.forward import HeadStats, PairedStats, score_dump, score_pair
 
 
 @dataclass(frozen=True)

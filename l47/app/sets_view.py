@@ -8,10 +8,10 @@ from dataclasses import fields
 from rich.table import Table
 from rich.text import Text
 
-from l47.data.sets import Coverage, POOL, SetsReport, build_sets, write_sets_json
 from l47.data.experiment import load_experiment
 from l47.data.identity import other_model_stamp
 from l47.data.ledger import Ledger
+from l47.data.sets import Coverage, POOL, SetsReport, build_sets, write_sets_json
 from l47.errors import L47Error
 from l47.model.weights import load_tail_weights
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from l47.errors import L47Error
 from l47.dumps import read_dump
+from l47.errors import L47Error
 
 _HEX = frozenset("0123456789abcdef")
 

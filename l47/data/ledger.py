@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from l47.dumps import read_dump
 from l47.errors import L47Error
 from l47.fileio import write_text_atomic
-from l47.dumps import read_dump
 
 LEDGER_SCHEMA = "l47.ledger/1"
 HOME_ENV = "L47_HOME"

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
-from l47.model import names
-from l47.errors import L47Error
+from l47.data.experiment import KLD, SCORED_SETS, SETS, SOLVER_SETS, SPLIT_SETS, Experiment, load_experiment
+from l47.data.ledger import dump_content_hashes
+from l47.dumps import doc_hash, read_dump
 from l47.dumps.schema import PROV_GENERATED
 from l47.dumps.select import (
     GuardLimits, PhraseTuples, WindowIndex, chat_structure, claims_generation, content_ids, find_collateral,
     find_events, guard_document, phrases_to_tuples, provenance_reasons, split_documents, system_spans,
 )
-from l47.data.experiment import KLD, SCORED_SETS, SETS, SOLVER_SETS, SPLIT_SETS, Experiment, load_experiment
-from l47.data.ledger import dump_content_hashes
-from l47.dumps import doc_hash, read_dump
+from l47.errors import L47Error
 from l47.fileio import write_text_atomic
+from l47.model import names
 from l47.model.vocab import resolve_vocab
 from l47.model.weights import TailWeights, check_dump_dims, load_tail_weights
 from l47.tail.forward import score_dump

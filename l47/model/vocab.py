@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names
 from l47.model.gguf_io import open_gguf
 
 PRE_QWEN2 = "qwen2"

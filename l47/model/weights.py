@@ -24,8 +24,8 @@ import gguf
 import numpy as np
 import torch
 
-from l47.model import names, quants
 from l47.errors import L47Error
+from l47.model import names, quants
 from l47.model.gguf_io import open_gguf
 
 POLICIES = ("strata", "exact")

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
+from l47.errors import L47Error
 from l47.model.weights import PRECISIONS, SPLITS, Numerics
 from l47.tail import fused
 from l47.tail.topk import topk_lowest_id
-from l47.errors import L47Error
 
 DEFAULT_CHUNK = 8192  # vocabulary rows per head pass; [R, C] f32 temporaries stay small
 CHECK_ROWS = 64  # positions of the first pass recomputed in f64 by the per-run precision check

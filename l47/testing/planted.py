@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from l47.model import names, quants
 from l47.data import record as rec
 from l47.data.experiment import load_experiment
 from l47.data.record import read_record, record_path_for
 from l47.dumps import read_dump, write_dump
 from l47.dumps.select import chat_structure, find_events, phrases_to_tuples
+from l47.model import names, quants
 from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
 from l47.model.vocab import vocab_from_gguf
 from l47.model.weights import edited_weight, load_tail_weights

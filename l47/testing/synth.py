@@ -39,8 +39,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as gq
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names
 from l47.model.gguf_io import write_gguf
 from l47.model.quants import quantize  # Q6_K and friends: gguf.quants only dequantizes K-quants
 
