@@ -26,8 +26,11 @@ import gguf
 import numpy as np
 import torch
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names
+from l47.model.gguf_io import open_gguf, write_gguf
+from l47.model.quants import dequantize, quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
+from l47.model.weights import runtime_tensor
 
 F32 = int(gguf.GGMLQuantizationType.F32)
 F16 = int(gguf.GGMLQuantizationType.F16)
@@ -72,7 +75,6 @@ def _encode(w: torch.Tensor, gtype: int, name: str) -> np.ndarray:
         return w.numpy().reshape(-1).view(np.uint8)
     if gtype == F16:
         return w.to(torch.float16).numpy().reshape(-1).view(np.uint8)
-    from l47.model.quants import quantize  # ggml reference codecs (BF16, Q8_0, Q6_K, ...)
 
     rows = w.reshape(-1, w.shape[-1]) if w.ndim else w.reshape(1, 1)  # [rows, cols]
     return np.asarray(quantize(rows, gtype, name).cpu().numpy(), dtype=np.uint8)
@@ -118,8 +120,6 @@ _TOKENIZER_TYPES = {
 def export_gguf(model, path, *, tokenizer_kv: dict | None = None, types: dict | None = None) -> Path:
     """Write the whole model as a qwen4exp GGUF (atomic). `types` overrides the ggml type of tensors by GGUF name
     (type id or name, e.g. {"output.weight": "Q8_0"}); `tokenizer_kv` adds the `tokenizer.*` metadata as is."""
-    from l47.model.gguf_io import write_gguf
-
     path = Path(path)
     cfg = model.config
     if getattr(cfg, "model_type", None) != HF_MODEL_TYPE:
@@ -177,8 +177,6 @@ def hf_config_from_gguf(g):
 
 def _gguf_state_dict(g, cfg, policy: str, device) -> dict[str, torch.Tensor]:
     """HF state dict (f32) from the GGUF's tensors under `policy`; refuses missing or unexpected tensors."""
-    from l47.model.weights import runtime_tensor
-
     L_count = int(cfg.num_hidden_layers)
     table = names.hf_to_gguf_map(L_count)
     r, hc = int(cfg.hc_lowrank), int(cfg.hc_count)
@@ -215,8 +213,6 @@ def load_hf_from_gguf(path, policy: str = "strata", device="cpu"):
     """Rebuild the transformers model from a GGUF written by `export_gguf`, every tensor dequantised under the
     runtime weight `policy` ("strata": BF16 hc_* -> Q8_0 -> f32; "exact": file values), norms un-folded."""
     from transformers import Qwen4ExpForCausalLM
-
-    from l47.model.gguf_io import open_gguf
 
     g = open_gguf(path)
     if g.arch() != names.ARCH:
@@ -471,8 +467,6 @@ def round_trip_in_place(model, types: dict[str, int]) -> None:
     """Replace every parameter by its value after the export's encoding and decoding (ggml codecs of
     l47.model.quants; norms folded 1 + w and un-folded in f32, as the file stores them): the checkpoint as the
     exported file holds it, computed without reading the file (the export's independent reference)."""
-    from l47.model.quants import dequantize
-
     table = names.hf_to_gguf_map(int(model.config.num_hidden_layers))
     for hf, p in model.state_dict().items():
         g = table[hf]

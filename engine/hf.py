@@ -34,8 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config, require_strict_load
 from l47.errors import L47Error
 from l47.fileio import sha256_file
+from l47.model import names
+from l47.model.gguf_io import open_gguf
+from l47.model.weights import TailWeights
 
 ENGINE_NAME = "hf"
 INJ_CONVENTION = "raw"  # inj = inject_w · hc_norm(R); the forward applies 2σ(inj / hc)
@@ -65,8 +69,6 @@ def model_id(path) -> str:
     config.json and weight files (name + content hash, sorted) for a transformers checkpoint."""
     path = Path(path)
     if path.is_file():
-        from l47.model.gguf_io import open_gguf
-
         return open_gguf(path).sha256()
     files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
     if not files:
@@ -203,8 +205,6 @@ def load_hf_placed(path, placement: Placement):
     device_map / max_memory / offload_folder: weights go to their device shard by shard, never the whole model
     on the host), f32, eval mode."""
     from transformers import Qwen4ExpForCausalLM
-
-    from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config, require_strict_load
 
     path = Path(path)
     check_checkpoint_weights(path, read_hf_config(path))  # strict: every parameter from the checkpoint's tensors
@@ -552,9 +552,6 @@ def generate_batch(model, prompts, settings, where: str = "generate") -> list[li
 def tail_weights_from_model(model, model_sha: str, layer: int | None = None):
     """`l47.model.weights.TailWeights` straight from the model's parameters (output_hc_norm folded 1 + w, as GGUF
     stores it): what the exact tail forward needs to re-score this engine's dumps."""
-    from l47.model import names
-    from l47.model.weights import TailWeights
-
     c = model.config
     last = int(c.num_hidden_layers) - 1
     if layer is not None and int(layer) != last:

@@ -43,15 +43,15 @@ from l47.dumps.select import (PhraseTuples, WindowIndex, chat_structure, content
                               phrases_to_tuples, prefix_rows, provenance_reasons)
 from l47.errors import L47Error
 from l47.evals import bars as B
-from l47.evals.figures import (BlindFigures, BundleFigures, ClaimsFigures, CountFigures, EngineFigures, FlipFigures,
-                               OrdinaryFigures, ProxyFigures, RecordFigures, SetKld, SlopFigures, SplitFigures,
-                               TurnEndFigures, figures_dict, is_figures)
+from l47.evals.figures import (BlindFigures, BundleFigures, CheapFormFigures, ClaimsFigures, CountFigures,
+                               EngineFigures, FlipFigures, OrdinaryFigures, PenaltyFigures, ProxyFigures, RecordFigures,
+                               SetKld, SlopFigures, SplitFigures, TurnEndFigures, figures_dict, is_figures)
 from l47.evals.kld_stats import kld_stats_of_pairs
 from l47.evals.metrics import (DocResult, Scoring, collateral_figures, flip_figures, load_vocab, ordinary_figures,
                                proxy_figures, score_document, slop_figures, special_mass_figures, top_k_of,
                                turn_end_figures)
-from l47.evals.penalty import (DEFAULT_BIAS, FORM_LAST, FORM_SEED, PenaltySpec, make_spec, penalise_document,
-                               simulate)
+from l47.evals.penalty import (DEFAULT_BIAS, FORM_LAST, FORM_SEED, DocPenalty, PenaltySpec, make_spec,
+                               penalise_document, simulate)
 from l47.evals.report import write_reports
 from l47.fileio import read_json, write_text_atomic
 from l47.model import names
@@ -571,12 +571,49 @@ def _kl_rows(za: np.ndarray, zb: np.ndarray) -> np.ndarray:
 # penalty simulation over the scored documents
 
 
-def _penalty_figures(spec: PenaltySpec, docs: list[DocResult], vocab: Vocab) -> tuple[dict, dict]:
-    finals = list(spec.finals)
+@dataclass
+class _CheapTally:
+    """One cheaper penalty form's extra hits over the exact form, summed over the documents -> CheapFormFigures."""
+
+    positions: int = 0
+    pairs: int = 0
+    target_hit: int = 0
+    dlogp: list = field(default_factory=list)  # per document: [extra rows] f64 Δ log p(target)
+    kld: list = field(default_factory=list)  # per document: [extra rows] f64 KL(base ‖ base + cheap penalty)
+    examples: list = field(default_factory=list)  # the first 5 extra rows
+
+    def add(self, d: DocResult, dp: DocPenalty, form: str, spec: PenaltySpec, vocab: Vocab) -> None:
+        h, cm = dp.extra[form]  # ExtraHits, the cheap form's mask [T, F]
+        self.positions += h.positions
+        self.pairs += h.pairs
+        self.target_hit += h.target_hit
+        rows = (cm & ~dp.mask).any(1)  # [T]
+        if not rows.any():
+            return
+        cs = simulate(d.ps.base, d.targets, cm, list(spec.finals), spec.bias)
+        self.dlogp.append(cs.logp_target[rows] - d.ps.base.logp_target[rows])
+        self.kld.append(cs.kld_vs_base[rows])
+        for t in np.flatnonzero(rows)[:max(0, 5 - len(self.examples))].tolist():
+            self.examples.append({"doc": d.path, "pos": t,
+                                  "context": vocab.decode(d.tokens[max(0, t - 8):t + 1].tolist()),
+                                  "target": vocab.decode([int(d.targets[t])]),
+                                  "dlogp_target": float(cs.logp_target[t] - d.ps.base.logp_target[t])})
+
+    def figures(self) -> CheapFormFigures:
+        x = np.concatenate(self.dlogp) if self.dlogp else np.zeros(0)
+        k = np.concatenate(self.kld) if self.kld else np.zeros(0)
+        return CheapFormFigures(positions=self.positions, pairs=self.pairs, target_hit=self.target_hit,
+                                examples=self.examples, mean_dlogp_target=float(x.mean()) if x.size else None,
+                                min_dlogp_target=float(x.min()) if x.size else None,
+                                mean_kld=float(k.mean()) if k.size else None)
+
+
+def _penalty_figures(spec: PenaltySpec, docs: list[DocResult], vocab: Vocab) -> tuple[PenaltyFigures, dict]:
+    """The penalty of `spec` on every scored document -> (its figures, {doc sha256: {"alone", "stacked"}
+    simulations} for the slop table and positions.tsv)."""
     sims, per_set = {}, {}
     unchanged, pen_rows, max_abs_alone, max_abs_stacked = 0, 0, 0.0, 0.0
-    extra = {FORM_LAST: {"positions": 0, "pairs": 0, "target_hit": 0, "dlogp_target": [], "kld": [], "examples": []},
-             FORM_SEED: {"positions": 0, "pairs": 0, "target_hit": 0, "dlogp_target": [], "kld": [], "examples": []}}
+    cheap = {FORM_LAST: _CheapTally(), FORM_SEED: _CheapTally()}
     for d in docs:
         dp = penalise_document(spec, d.tokens, d.ps.base, d.ps)
         alone, stacked, off = dp.alone, dp.stacked, dp.unchanged
@@ -590,35 +627,16 @@ def _penalty_figures(spec: PenaltySpec, docs: list[DocResult], vocab: Vocab) -> 
         ps = per_set.setdefault(d.set, {"kl": [], "rows": 0})
         ps["kl"].append(alone.kld_vs_base)
         ps["rows"] += int((~off).sum())
-        for form, e in extra.items():
-            h, cm = dp.extra[form]
-            e["positions"] += h.positions
-            e["pairs"] += h.pairs
-            e["target_hit"] += h.target_hit
-            rows = (cm & ~dp.mask).any(1)
-            if rows.any():
-                cs = simulate(d.ps.base, d.targets, cm, finals, spec.bias)
-                e["dlogp_target"].append(cs.logp_target[rows] - d.ps.base.logp_target[rows])
-                e["kld"].append(cs.kld_vs_base[rows])
-                for t in np.flatnonzero(rows)[:max(0, 5 - len(e["examples"]))].tolist():
-                    e["examples"].append({"doc": d.path, "pos": t,
-                                          "context": vocab.decode(d.tokens[max(0, t - 8):t + 1].tolist()),
-                                          "target": vocab.decode([int(d.targets[t])]),
-                                          "dlogp_target": float(cs.logp_target[t] - d.ps.base.logp_target[t])})
-    for e in extra.values():
-        x = np.concatenate(e.pop("dlogp_target")) if e["dlogp_target"] else np.zeros(0)
-        k = np.concatenate(e.pop("kld")) if e["kld"] else np.zeros(0)
-        e["mean_dlogp_target"] = float(x.mean()) if x.size else None
-        e["min_dlogp_target"] = float(x.min()) if x.size else None
-        e["mean_kld"] = float(k.mean()) if k.size else None
+        for form, tally in cheap.items():
+            tally.add(d, dp, form, spec, vocab)
     rules = [{"phrase": r.phrase, "prefix": list(r.prefix), "token": r.token,
               "text": vocab.decode(list(r.prefix) + [r.token])} for r in spec.rules]
-    fig = {"bias": spec.bias, "form": spec.form, "rules": rules,
-           "penalised_rows": pen_rows, "unchanged_rows": unchanged,
-           "unchanged_max_abs_dlogp_alone": max_abs_alone, "unchanged_max_abs_dlogp_stacked": max_abs_stacked,
-           "kld_alone_per_set": {s: {"mean": float(np.concatenate(v["kl"]).mean()), "penalised_rows": v["rows"]}
-                                 for s, v in per_set.items()},
-           "cheap_forms": extra}
+    fig = PenaltyFigures(
+        bias=spec.bias, form=spec.form, rules=rules, penalised_rows=pen_rows, unchanged_rows=unchanged,
+        unchanged_max_abs_dlogp_alone=max_abs_alone, unchanged_max_abs_dlogp_stacked=max_abs_stacked,
+        kld_alone_per_set={s: {"mean": float(np.concatenate(v["kl"]).mean()), "penalised_rows": v["rows"]}
+                           for s, v in per_set.items()},
+        cheap_forms={form: tally.figures() for form, tally in cheap.items()})
     return fig, sims
 
 
@@ -828,7 +846,7 @@ class SharedFigures:
     proxy: ProxyFigures
     flips: FlipFigures
     turn_ends: TurnEndFigures
-    penalty: dict  # reported, no bar
+    penalty: PenaltyFigures  # reported, no bar
     sims: dict  # doc sha256 -> {"alone", "stacked"} penalty simulations
 
 

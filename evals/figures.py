@@ -2,11 +2,11 @@
 
 Each is made in one place — the evidence functions of `l47.evals.metrics` (proxy, slop, collateral, flips, turn
 ends, ordinary tokens, special mass) and `l47.evals.audit` (bundle, record, split, claims, KLD per set, engine,
-counts, blind) — read by the bars (`l47.evals.bars`) by attribute, and turned into dicts only at the JSON
-boundary: `figures_dict` (field order = the report's key order; a field marked `OMIT` is left out while None, so
-the report keeps the shape it had as a dict), called by `l47.evals.audit.clean` when report.json is built.
-Values below a family's top level (per phrase, per word, per document, rows) stay JSON-able dicts and lists.
-"""
+counts, blind, the sampler penalty) — read by the bars (`l47.evals.bars`) by attribute, and turned into dicts
+only at the JSON boundary: `figures_dict` (field order = the report's key order; a field marked `OMIT` is left
+out while None, so the report keeps the shape it had as a dict), called by `l47.evals.audit.clean` when
+report.json is built; report.md is rendered from that JSON. Values below a family's top level (per phrase, per
+word, per document, rows) stay JSON-able dicts and lists."""
 
 from __future__ import annotations
 
@@ -259,3 +259,33 @@ class BlindFigures:
     own_generation_replay: str
     absolute_residual_vs_dev: float | None
     comparisons: list[dict]
+
+
+@dataclass(frozen=True)
+class CheapFormFigures:
+    """One cheaper form of the sampler penalty (l47.evals.penalty: not exported) against the exact one, over the
+    scored documents: its extra hits and what they cost (audit._penalty_figures)."""
+
+    positions: int  # rows with at least one extra penalised token
+    pairs: int  # (row, token) pairs penalised by the cheap form only
+    target_hit: int  # rows where an extra-penalised token is the actual target (a legitimate use suppressed)
+    examples: list[dict]  # the first extra rows: {doc, pos, context, target, dlogp_target}
+    mean_dlogp_target: float | None  # Δ log p(target) of base + cheap penalty at the extra rows (None: no row)
+    min_dlogp_target: float | None
+    mean_kld: float | None  # KL(base ‖ base + cheap penalty) at the extra rows
+
+
+@dataclass(frozen=True)
+class PenaltyFigures:
+    """The sampler penalty of seed §6.3 simulated exactly on the scored documents, alone on the base and stacked
+    on the bundle (audit._penalty_figures). Reported, no bar."""
+
+    bias: float  # logits
+    form: str  # the exported form (l47.evals.penalty.FORMS)
+    rules: list[dict]  # {phrase, prefix, token, text}: one per banned tuple
+    penalised_rows: int  # rows where the exact form lowers at least one token
+    unchanged_rows: int
+    unchanged_max_abs_dlogp_alone: float  # max |Δ log p(target)| at the unchanged rows: 0 by construction, measured
+    unchanged_max_abs_dlogp_stacked: float  # the same for bundle + penalty against the bundle
+    kld_alone_per_set: dict[str, dict]  # set -> {mean: KL(base ‖ base + penalty) over its rows, penalised_rows}
+    cheap_forms: dict[str, CheapFormFigures]  # cheap form -> its extra hits

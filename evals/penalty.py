@@ -98,7 +98,6 @@ class PenaltySpec:
 
 
 def read_spec(path) -> PenaltySpec:
-
     path = Path(path)
     d = read_json(path, "penalty spec")
     if d.get("schema") != PENALTY_SCHEMA:
@@ -423,8 +422,6 @@ def run_penalty(args: PenaltyArgs) -> PenaltyResult:
 def _penalty_plan(args: PenaltyArgs):
     """The base weights, vocabulary, sets report (blind documents never touched; every scored document in the
     ledger first), the spec from its phrases and the bundle's weight -> (w, vocab, report, spec, W_new | None)."""
-
-
     exp = load_experiment(args.experiment)
     base = args.base or exp.model
     if base is None:

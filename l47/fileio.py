@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from l47.errors import L47Error
+
 _CHUNK = 8 << 20
 TEMP_SUFFIX = ".tmp"  # temp files are ".<name>.<random>.tmp" beside their target
 STAGE_SUFFIX = ".staging"  # staging folders are ".<name>.<random>.staging" beside their target
@@ -388,8 +390,6 @@ def install_signal_cleanup() -> None:
 
 def read_json(path, what: str, expected: str = "an existing JSON file") -> Any:
     """Parsed JSON of `path`; L47Error naming the file and `what` it should be when missing or not JSON."""
-    from l47.errors import L47Error
-
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:

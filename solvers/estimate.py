@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from l47.errors import L47Error
 from l47.model.weights import Numerics, TailWeights
 from l47.solvers.batch import Batch, batch_mix
 from l47.tail.forward import head_stats, streamed_kl, streamed_lse
@@ -231,8 +232,6 @@ def estimate_solve(problem, units: UnitCosts | None = None) -> Estimate:
     not given."""
     name = problem.solver.name
     if name not in ESTIMATORS:
-        from l47.errors import L47Error
-
         raise L47Error("solve time estimate", "method", f"one of {tuple(ESTIMATORS)}", repr(name))
     fn, table = ESTIMATORS[name]
     u = units or measure_units(problem.plan.w)

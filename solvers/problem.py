@@ -27,6 +27,7 @@ from l47.data import record as rec
 from l47.errors import L47Error
 from l47.solvers.anchors import AnchorChoice, choose_anchors
 from l47.solvers.batch import Batch, EventTerms, batch_cat, pick_chosen
+from l47.solvers.bundle import requantize_target
 from l47.solvers.select import Selection, SelectionPolicy, select_positions
 
 if TYPE_CHECKING:
@@ -60,8 +61,6 @@ class Shipped:
 
 def requantize(plan: SolvePlan, dW: torch.Tensor) -> Shipped:
     """W_sd + ΔW → the target's Q8_0 bytes and their runtime values (what ships)."""
-    from l47.solvers.bundle import requantize_target
-
     raw, W_q = requantize_target(plan.base_g, plan.w.target, plan.w.W_sd + dW)
     return Shipped(raw, W_q.to(plan.w.device))
 

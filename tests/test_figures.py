@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from l47.evals.audit import clean
-from l47.evals.figures import EngineFigures, RecordFigures, SetKld, SlopFigures, figures_dict
+from l47.evals.figures import (CheapFormFigures, EngineFigures, PenaltyFigures, RecordFigures, SetKld, SlopFigures,
+                               figures_dict)
 from l47.evals.kld_stats import KldStats, kld_stats
 from l47.evals.metrics import slop_figures
 
@@ -69,3 +70,21 @@ def test_set_kld_is_the_judged_statistics_with_the_prefix_and_all_rows_beside():
     assert d["prefix_rows"] == {"n": 0} and d["all_rows"] == clean(st.to_dict())
     assert d["kld_mean"] == pytest.approx(float(kl.mean()), rel=1e-12)  # f64 sums: exact to rounding
     assert d["all_rows"]["kld_mean"] == d["kld_mean"] and not math.isnan(d["ppl_base"])
+
+
+def test_penalty_keeps_the_report_keys_in_their_order():
+    """The sampler penalty's JSON: its keys and each cheap form's in the order of the former dict literal of
+    audit._penalty_figures; a nested CheapFormFigures becomes a dict at the boundary (NaN -> null)."""
+    cheap = CheapFormFigures(positions=2, pairs=3, target_hit=1, examples=[{"pos": 4}], mean_dlogp_target=-0.5,
+                             min_dlogp_target=-1.0, mean_kld=float("nan"))
+    d = clean(PenaltyFigures(bias=5.0, form="prefix-exact", rules=[{"phrase": "a b", "prefix": (1,), "token": 2}],
+                             penalised_rows=3, unchanged_rows=7, unchanged_max_abs_dlogp_alone=0.0,
+                             unchanged_max_abs_dlogp_stacked=0.0,
+                             kld_alone_per_set={"heldout": {"mean": 0.1, "penalised_rows": 3}},
+                             cheap_forms={"last-prefix-token": cheap}))
+    assert list(d) == ["bias", "form", "rules", "penalised_rows", "unchanged_rows", "unchanged_max_abs_dlogp_alone",
+                       "unchanged_max_abs_dlogp_stacked", "kld_alone_per_set", "cheap_forms"]
+    assert d["cheap_forms"] == {"last-prefix-token": {"positions": 2, "pairs": 3, "target_hit": 1,
+                                                      "examples": [{"pos": 4}], "mean_dlogp_target": -0.5,
+                                                      "min_dlogp_target": -1.0, "mean_kld": None}}
+    assert d["rules"] == [{"phrase": "a b", "prefix": [1], "token": 2}]

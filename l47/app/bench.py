@@ -26,8 +26,14 @@ from l47.app.bench_common import (REAL, SMALL, FtpoCounts, peak, reset_peak, syn
                                   synthetic_ftpo_problem, synthetic_weights, timed)
 from l47.app.bench_fused import SWEEP, bench_head_cuda, sweep_errors, sweep_split
 from l47.app.bench_pipeline import SIZES, bench_pipeline, print_pipeline
+from l47.errors import L47Error
 from l47.fileio import write_text_atomic
+from l47.model.weights import Numerics
 from l47.solvers.batch import EventTerms, batch_mix
+from l47.solvers.estimate import SolveShape, estimate_ftpo, measure_units
+from l47.solvers.ftpo import FtpoConfig, _Judge, _Objective, train_ftpo
+from l47.solvers.ftpo.basis import _parameterise
+from l47.solvers.ftpo.objective import Step, _Rotation
 from l47.solvers.wfld import WfldConfig, solve_wfld
 from l47.tail import fused, stream
 from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
@@ -57,8 +63,6 @@ def _dims(args: BenchArgs) -> dict:
     try:
         n, f, r, hc, V = (int(x) for x in args.dims.split(","))
     except ValueError:
-        from l47.errors import L47Error
-
         raise L47Error("l47 bench", "--dims", "full, reduced, tiny or n,f,r,hc,V (five integers)", repr(args.dims))
     return dict(n=n, f=f, r=r, hc=hc, V=V)
 
@@ -134,8 +138,6 @@ def run_bench(args: BenchArgs, console) -> dict:
     if args.what == "pipeline":
         size = args.dims or ("full" if args.real else "reduced")
         if size not in SIZES:
-            from l47.errors import L47Error
-
             raise L47Error("l47 bench --what pipeline", "--dims", f"one of {tuple(SIZES)}", repr(size))
         out["pipeline"] = r = bench_pipeline(SIZES[size], args.device,
                                              args.work, log=lambda m: console.print(m, highlight=False),
@@ -147,8 +149,6 @@ def run_bench(args: BenchArgs, console) -> dict:
     if args.json_out:
         write_text_atomic(args.json_out, json.dumps(out, indent=2))
     if (out.get("pipeline") or {}).get("error"):
-        from l47.errors import L47Error
-
         raise L47Error("l47 bench --what pipeline", "stage", "every stage to finish", out["pipeline"]["error"])
     return out
 
@@ -202,10 +202,6 @@ def ftpo_step_parts(w, pb, cfg, steps: int = 3) -> dict:
     tail and one vocabulary pass), backward, judge (one exact evaluation; per step: ÷ eval_every); each part the
     best of the steps (as `timed`: another process's load only adds; the first step also warms up), and the setup
     (parameterisation, base quantities)."""
-    from l47.solvers.ftpo import _Judge, _Objective
-    from l47.solvers.ftpo.basis import _parameterise
-    from l47.solvers.ftpo.objective import Step, _Rotation
-
     dev = str(w.device)
     ph = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
     group = torch.as_tensor([ph[p] for p in pb.phrase], device=w.device)
@@ -242,8 +238,6 @@ def ftpo_trainer_step(w, pb, cfg, steps: int) -> dict:
     between its first and last exact evaluations ÷ the steps between them: every part, the judge amortised)."""
     import dataclasses
 
-    from l47.solvers.ftpo import train_ftpo
-
     seen: list[dict] = []
     res = train_ftpo(w, pb, dataclasses.replace(cfg, steps=steps), progress=seen.append)
     a, b = seen[0], seen[-1]
@@ -256,10 +250,6 @@ def bench_ftpo(dims: dict, device: str, counts=None, steps: int = 3, trainer_ste
     (ftpo_step_parts), the estimator's parts for the same problem and machine, and with trainer_steps > 0 the
     real trainer's per-step time."""
     import dataclasses
-
-    from l47.model.weights import Numerics
-    from l47.solvers.estimate import SolveShape, estimate_ftpo, measure_units
-    from l47.solvers.ftpo import FtpoConfig
 
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from l47.model.weights import TailWeights
-from l47.solvers.batch import Batch, EventTerms, batch_mix
+from l47.solvers.batch import Batch, EventTerms, batch_mix, pick_chosen
 from l47.solvers.ftpo import FtpoProblem
+from l47.tail.forward import head_stats
 
 REAL = dict(n=2560, f=640, r=320, hc=4, V=248_320)
 SMALL = dict(n=256, f=64, r=32, hc=4, V=8192)
@@ -62,9 +63,6 @@ class FtpoCounts:
 def synthetic_ftpo_problem(w: TailWeights, c: FtpoCounts = FtpoCounts(), seed: int = 0) -> FtpoProblem:
     """An FTPO problem on random states: each event's rejected token is its base argmax (p well above chance), its
     chosen the runner-up, the last 5 ids special, two phrases; budget 0.01 nats, target residual 0.2."""
-    from l47.solvers.batch import pick_chosen
-    from l47.tail.forward import head_stats
-
     ev, bg = synthetic_batch(w, c.events, seed + 1), synthetic_batch(w, c.background, seed + 2)
     special = list(range(w.V - 5, w.V))
     with torch.no_grad():

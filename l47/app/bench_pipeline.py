@@ -48,7 +48,22 @@ import numpy as np
 import torch
 
 from l47.app.bench_common import peak, reset_peak, sync
-from l47.testing.synth import SynthDims
+from l47.app.estimate_view import estimate_dict, plan_and_estimate
+from l47.data.sets import build_sets, write_sets_json
+from l47.dumps import DumpMeta, write_dump
+from l47.dumps.chat import render_chat, render_plain
+from l47.dumps.select import find_events, phrases_to_tuples
+from l47.engine.gguf_export import _TOKENIZER_TYPES
+from l47.evals.audit import AuditArgs, run_audit
+from l47.fileio import write_text_atomic
+from l47.model import names
+from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
+from l47.model.vocab import vocab_from_gguf, vocab_qwen36, vocab_to_gguf_kv
+from l47.model.weights import load_tail_weights
+from l47.solvers.methods import solver_for
+from l47.solvers.solve import DEFAULT_METHOD, SolveArgs, run_solve
+from l47.tail.forward import full_logits, tail_mix
+from l47.testing.synth import SynthDims, synth_dump_arrays, write_synth_gguf
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "demo_data"
 PHRASES = ("end to end", "short version", "here's what", "exactly what", "what's actually", "right away",
@@ -188,8 +203,6 @@ def document_specs(size: PipelineSize, vocab, seed: int = 0) -> list[tuple[str, 
 
 
 def _render(vocab, spec):
-    from l47.dumps.chat import render_chat, render_plain
-
     ids, role = render_plain(spec, vocab, "assistant") if isinstance(spec, str) else render_chat(spec, vocab)
     return np.asarray(ids, dtype=np.int32), np.asarray(role, dtype=np.uint8)
 
@@ -197,8 +210,6 @@ def _render(vocab, spec):
 def _logp_rows(w, rows: dict, alpha: torch.Tensor) -> torch.Tensor:
     """log p(target) [P] of rows whose yr is moved by alpha [P] along the unit head row of the target (exact tail
     forward, full-vocabulary logits in blocks of ROWS rows)."""
-    from l47.tail.forward import full_logits, tail_mix
-
     out = []
     for a in range(0, alpha.numel(), ROWS):
         s = slice(a, a + ROWS)
@@ -277,8 +288,6 @@ def _workers() -> int:
 
 
 def _experiment(root: Path, model: Path, by_set: dict[str, list[str]], size: PipelineSize) -> Path:
-    from l47.fileio import write_text_atomic
-
     lst = lambda v: "[" + ", ".join(json.dumps(p) for p in v) + "]"  # noqa: E731
     sets = "\n".join(f"{s} = {lst(v)}" for s, v in sorted(by_set.items())
                      if s not in ("pool",) and not s.startswith("kld."))
@@ -329,17 +338,10 @@ def _table(name: str, pairs: tuple[tuple[str, int], ...]) -> str:
 def _write_model(path: Path, size: PipelineSize, seed: int):
     """The synthetic GGUF; with size.vocab "demo" the demo BPE as its tokenizer metadata. Returns the vocabulary
     the experiment will use."""
-    from l47.model.vocab import vocab_from_gguf, vocab_qwen36
-    from l47.testing.synth import write_synth_gguf
-
     if size.vocab == "qwen36":
         write_synth_gguf(path, size.dims, seed=seed, unknown_type_tensor=False)
         return vocab_qwen36()
     from tokenizers import Tokenizer
-
-    from l47.engine.gguf_export import _TOKENIZER_TYPES
-    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
-    from l47.model.vocab import vocab_to_gguf_kv
 
     kv = vocab_to_gguf_kv(Tokenizer.from_file(str(DEMO_DATA / "tokenizer.json")))  # 3,072 < V rows: like the
     # full size's Qwen3.6 file (248,077 < 248,320), the head has rows no token string names
@@ -351,9 +353,6 @@ def _write_model(path: Path, size: PipelineSize, seed: int):
 
 def _doc_states(size: PipelineSize, vocab, specs, seed: int) -> tuple[list[dict], list[np.ndarray]]:
     """Every document's dump arrays (tokens, role and synthetic states with the prefix key) and its event rows."""
-    from l47.dumps.select import find_events, phrases_to_tuples
-    from l47.testing.synth import synth_dump_arrays
-
     pts, _ = phrases_to_tuples(PHRASES, vocab)
     rendered = [_render(vocab, spec) for _, _, spec in specs]  # (tokens, role) per document
 
@@ -374,9 +373,6 @@ def _doc_states(size: PipelineSize, vocab, specs, seed: int) -> tuple[list[dict]
 
 def _write_dumps(root: Path, specs, arrs: list[dict], w) -> dict[str, list[str]]:
     """Write every document's dump (unverified, provenance "written"); returns set -> dump paths (root-relative)."""
-    from l47.dumps import DumpMeta, write_dump
-    from l47.model import names
-
     dumps = root / "dumps"
     if dumps.exists():
         shutil.rmtree(dumps)
@@ -400,9 +396,6 @@ def _write_dumps(root: Path, specs, arrs: list[dict], w) -> dict[str, list[str]]
 
 def build_world(root: Path, size: PipelineSize, device: str, seed: int = 0, log=None) -> dict:
     """Model, dumps and experiment file under `root` (reused when root/world.json says they are complete)."""
-    from l47.fileio import write_text_atomic
-    from l47.model.weights import load_tail_weights
-
     root.mkdir(parents=True, exist_ok=True)
     stamp = root / "world.json"
     key = {"size": asdict(size), "seed": seed, "version": WORLD_VERSION}
@@ -510,11 +503,6 @@ def _event_p(report) -> dict | None:
 
 def _steps(method: str, runs: Path, world: dict, exp: Path, device: str, res: dict, clock, seen: list):
     """(stage, thunk) in order: sets, plan (what `l47 plan` does, with its solve-time estimate), solve, audit."""
-    from l47.app.estimate_view import plan_and_estimate
-    from l47.data.sets import build_sets, write_sets_json
-    from l47.evals.audit import AuditArgs, run_audit
-    from l47.solvers.solve import SolveArgs, run_solve
-
     def args():
         return SolveArgs(exp, method, runs / "bundle.gguf", device=device, ledger=runs / "ledger.jsonl",
                          sets_json=res["sets_json"])
@@ -538,9 +526,6 @@ def bench_pipeline(size: PipelineSize, device: str, work: Path | None = None, lo
                    method: str | None = None) -> dict:
     """Build (or reuse) the world, then time sets -> plan -> solve -> audit with `method` (None: the toolkit's
     default, l47.solvers.solve DEFAULT_METHOD). Returns the figures."""
-    from l47.solvers.methods import solver_for
-    from l47.solvers.solve import DEFAULT_METHOD
-
     method = solver_for(method or DEFAULT_METHOD, "--method").name
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -576,8 +561,6 @@ def bench_pipeline(size: PipelineSize, device: str, work: Path | None = None, lo
 
 def _figures(size, device, method, world, reused: bool, stages, res) -> dict:
     """The benchmark's figures from the stages' results (`res`: stage -> result, "progress", "error")."""
-    from l47.app.estimate_view import estimate_dict
-
     report, solved, audit, planned = res.get("sets"), res.get("solve"), res.get("audit"), res.get("plan")
     conv = None if solved is None else solved.claims.convergence
     return {

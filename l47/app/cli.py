@@ -19,7 +19,9 @@ import typer.core
 from rich.console import Console
 from rich.table import Table
 
+from l47.app.tables import FittedConsole, fit, json_to_stdout
 from l47.errors import L47Error
+from l47.fileio import Interrupted, begin_command, install_signal_cleanup, interrupt_cleanup, write_text_atomic
 
 PRECISION_HELP = ("head GEMM: f32 | split-fp16 | split-bf16 (default: split-fp16 on CUDA after a per-run check "
                   "against f64, "
@@ -70,8 +72,6 @@ def guarded(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from l47.fileio import Interrupted, begin_command, install_signal_cleanup, interrupt_cleanup
-
         install_signal_cleanup()
         begin_command()
         try:
@@ -335,7 +335,6 @@ def sets(
     precision = _head_precision(precision)
     from l47.app.paths import check_sets
     from l47.app.sets_view import run_sets
-    from l47.app.tables import FittedConsole, json_to_stdout
 
     notes = check_sets(experiment, json_out, model, ledger, force, allow_other_model)
     with json_to_stdout(json_out, console) as target:
@@ -369,8 +368,6 @@ def solve(
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     precision = _head_precision(precision)
     from l47.app.paths import check_solve
-    from l47.app.tables import json_to_stdout
-    from l47.fileio import write_text_atomic
     from l47.app.solve_report import solve_and_print
     from l47.solvers.solve import SolveArgs
 
@@ -401,7 +398,6 @@ def plan(
     share inside the protected span, binding constraint; anchors' rank vs f. The bound is the solver's: FTPO's
     anchors are soft (no span removed), WFLD's exact. Exit 1 if a phrase cannot reach its target."""
     from l47.app.paths import check_plan
-    from l47.app.tables import json_to_stdout
 
     check_plan(experiment, json_out, model, sets_json, force)
     with json_to_stdout(json_out, console) as target:
@@ -422,7 +418,6 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
     import json
 
     from l47.app.estimate_view import estimate_dict, estimate_lines, plan_and_estimate
-    from l47.fileio import write_text_atomic
     from l47.solvers.solve import SolveArgs
 
     fp, choice, est = plan_and_estimate(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model,
@@ -441,7 +436,6 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
                   _p_interval(p.p_base_dev), _fmt(p.needed_gap, ".2f"),
                   _fmt(p.reachable_gap, ".2f"), _fmt(p.reachable_residual, ".3f"), _fmt(p.edit_residual, ".3f"),
                   _fmt(p.span_share_mean, ".0%"), p.binding)
-    from l47.app.tables import fit
 
     console.print(fit(t, console.width))  # 80 columns: the vertical form when the columns do not fit
     e = fp.edit
@@ -583,10 +577,8 @@ def audit(
     Many parameters because each one is a command-line option (typer reads a command's options from them)."""
     precision = _head_precision(precision)
     from l47.app.audit_view import audit_and_print
-    from l47.app.tables import FittedConsole, json_to_stdout
     from l47.app.paths import check_audit, expand_dump_paths
     from l47.evals.audit import AuditArgs
-    from l47.fileio import write_text_atomic
 
     args = AuditArgs(bundle, base, experiment, out, expand_dump_paths(blind, "--blind"), dev_report, ledger, policy,
                      device, record, tuple(engine_dumps), plots=plots, allow_unverified=allow_unverified,

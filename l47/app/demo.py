@@ -17,6 +17,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import l47
+from l47.app import solve_report  # called through the module: a test replaces solve_and_print
+from l47.app.audit_view import audit_and_print
+from l47.app.dump_view import dump_and_print
+from l47.app.dumping import DumpJob, GenerateOptions
+from l47.app.sets_view import render_sets_table
+from l47.data import record as rec
+from l47.data.ledger import EV_BLIND_STARTED, Ledger
+from l47.data.sets import build_sets, write_sets_json
+from l47.dumps import read_dump
+from l47.dumps.select import find_events, phrases_to_tuples
+from l47.errors import L47Error
+from l47.evals.audit import AuditArgs
+from l47.fileio import write_json_atomic, write_text_atomic
+from l47.model.gguf_io import open_gguf
+from l47.model.vocab import vocab_for_model
+from l47.model.weights import load_tail_weights
+from l47.solvers.bundle import requantize_target, write_bundle
+from l47.solvers.solve import SolveArgs, resolve_config
+
 DATA = Path(__file__).resolve().parents[1] / "demo_data"
 MODEL = DATA / "demo-model.gguf"
 PHRASES = ("end to end", "short version", "here's what", "exactly what", "what's actually", "right away",
@@ -41,7 +61,6 @@ class DemoArgs:
 
 def _subset_jsonl(src: Path, dst: Path, n: int | None) -> Path:
     lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
-    from l47.fileio import write_text_atomic
 
     return write_text_atomic(dst, "\n".join(lines[: n or len(lines)]) + "\n")
 
@@ -92,8 +111,6 @@ seed = 0
 {phrase_toml}
 {collateral}{solver}
 '''
-    from l47.fileio import write_text_atomic
-
     return write_text_atomic(out / "experiment.toml", text)
 
 
@@ -135,14 +152,6 @@ def fresh_blind_chat(model: Path, out: Path, ledger, pts, seed: int, console=Non
     ledger (by content) or holds no prefix-exact event of the phrases (a blind residual needs one; `source.tries`
     such misses in a row at most); only the tokens are looked at, nothing is scored. Returns (dump path, how it was
     chosen)."""
-    from l47.app.dump_view import dump_and_print
-    from l47.app.dumping import DumpJob, GenerateOptions
-    from l47.data.ledger import EV_BLIND_STARTED
-    from l47.dumps import read_dump
-    from l47.dumps.select import find_events
-    from l47.errors import L47Error
-    from l47.fileio import write_text_atomic
-
     prompts = [ln for ln in source.prompts.read_text().splitlines() if ln.strip()]
     k0 = ledger.count(EV_BLIND_STARTED) if k0 is None else k0
     skipped, k, misses = [], k0, 0
@@ -175,8 +184,6 @@ def fresh_blind_chats(model: Path, out: Path, ledger, pts, seed: int, n: int = B
     """The blind set: `n` fresh blind chats (fresh_blind_chat), k running on from the ledger's "blind-started"
     count so every chat has its own prompt (k mod N) and seed. Returns (dump paths, {"chats": [how each was
     chosen], "skipped": [...]})."""
-    from l47.data.ledger import EV_BLIND_STARTED
-
     k = ledger.count(EV_BLIND_STARTED)
     paths, chats, skipped = [], [], []
     for _ in range(n):
@@ -192,10 +199,6 @@ def suppress_word_bundle(base: Path, out: Path, word_id: int, contexts, rel_norm
     """Negative control: ΔW that pushes one final word down in EVERY context (no prefix condition), as the
     seed's v3 "mined" loss did (seed §5.3). Rank one: along minus the word's head row, keyed on the mean hh of
     `contexts` ((dump, row) pairs where the word is the target), scaled to ‖ΔW‖/‖W‖ = rel_norm."""
-    from l47.model.gguf_io import open_gguf
-    from l47.solvers.bundle import requantize_target, write_bundle
-    from l47.model.weights import load_tail_weights
-
     g = open_gguf(base)
     w = load_tail_weights(g, policy="strata")
     u = -w.head[word_id] / w.head[word_id].norm()  # [n] down the word's logit direction
@@ -209,11 +212,6 @@ def suppress_word_bundle(base: Path, out: Path, word_id: int, contexts, rel_norm
 def control_record(bundle: Path, base: Path, sets_report, word_id: int) -> Path:
     """A solve record for the control that says what such a loss touches: every position whose target is the
     word — ordinary uses included, no prefix check (what bar (a) must catch)."""
-    import l47
-    from l47.data import record as rec
-    from l47.model.gguf_io import open_gguf
-    from l47.fileio import write_text_atomic
-
     touched = [rec.Touched(c.doc_sha256, c.pos, c.token_id, rec.TERM_SLOP, c.word, c.p_base)
                for c in sets_report.collateral if c.token_id == word_id and c.set in ("collateral_anchor",)]
     touched += [rec.Touched(e.doc_sha256, e.pos, e.final, rec.TERM_SLOP, e.phrase, e.p_base)
@@ -242,8 +240,6 @@ class DemoFolder:
     appeared since opening) to the manifest."""
 
     def __init__(self, out: Path):
-        from l47.errors import L47Error
-
         self.out = Path(out)
         if self.out.exists() and not self.out.is_dir():
             raise L47Error(self.out, "--out", "a folder for the demo's outputs", "an existing file")
@@ -297,8 +293,6 @@ class DemoFolder:
         self._write()
 
     def _write(self) -> None:
-        from l47.fileio import write_json_atomic
-
         if self.out.is_dir():
             write_json_atomic(self.out / MANIFEST, {"files": sorted(self.files), "dirs": sorted(self.dirs)})
 
@@ -306,8 +300,6 @@ class DemoFolder:
 def run_demo(args: DemoArgs, console) -> int:
     """dump -> sets -> solve -> audit (dev) -> blind sign-off; then the negative control. Exit code 0 when the
     solved bundle passes every bar, the blind sign-off passes and the negative control fails; 1 otherwise."""
-    from l47.errors import L47Error
-
     out = Path(args.out).resolve()  # the experiment file lists absolute dump paths
     if not Path(args.model).is_file():
         raise L47Error(args.model, "demo model", "the shipped GGUF (scripts/train_demo_model.py rebuilds it)",
@@ -337,9 +329,6 @@ class _DemoRun:
 
 def _run_demo(args: DemoArgs, console, out: Path) -> int:
     """1. dump -> 2. sets -> 3. solve -> 4./5. audit and blind sign-off -> 6. negative control -> result."""
-    from l47.data.ledger import Ledger
-    from l47.model.gguf_io import open_gguf
-
     model = Path(args.model).resolve()
     run = _DemoRun(args, console, out, model, Ledger.open(args.ledger, open_gguf(model).sha256()))
     dirs, blind_how = _dump_inputs(run)
@@ -354,11 +343,6 @@ def _run_demo(args: DemoArgs, console, out: Path) -> int:
 def _dump_inputs(run: _DemoRun) -> tuple[dict[str, list[Path]], dict]:
     """Step 1: the model's generations, the shipped documents, the held-out chats and a fresh blind set ->
     ({set kind: dump paths}, how the blind chats were chosen)."""
-    from l47.app.dump_view import dump_and_print
-    from l47.app.dumping import DumpJob, GenerateOptions
-    from l47.dumps.select import phrases_to_tuples
-    from l47.model.vocab import vocab_for_model
-
     args, console, out, model = run.args, run.console, run.out, run.model
 
     def dumped(s) -> list[Path]:
@@ -387,9 +371,6 @@ def _dump_inputs(run: _DemoRun) -> tuple[dict[str, list[Path]], dict]:
 
 def _sets(run: _DemoRun, exp: Path):
     """Step 2: the sets report (printed, written to sets.json) -> (report, its path)."""
-    from l47.app.sets_view import render_sets_table
-    from l47.data.sets import build_sets, write_sets_json
-
     run.console.rule("[bold]2. sets")
     report = build_sets(exp, ledger=run.ledger)
     for r in render_sets_table(report):
@@ -402,21 +383,15 @@ def _solve(run: _DemoRun, exp: Path, sets_json: Path) -> Path:
     its solve record. The step's label is the method the solve resolves, never a fixed name."""
     import tomllib
 
-    from l47.app.solve_report import solve_and_print
-    from l47.solvers.solve import SolveArgs, resolve_config
-
     method = resolve_config(tomllib.loads(exp.read_text(encoding="utf-8")).get("solver", {}), None, str(exp)).method
     run.console.rule(f"[bold]3. solve ({method.upper()})")
     bundle = run.out / "bundle.gguf"
-    solve_and_print(SolveArgs(exp, None, bundle, ledger=run.ledger.path, sets_json=sets_json), run.console)
+    solve_report.solve_and_print(SolveArgs(exp, None, bundle, ledger=run.ledger.path, sets_json=sets_json), run.console)
     return bundle
 
 
 def _audits(run: _DemoRun, exp: Path, bundle: Path, dirs: dict[str, list[Path]]):
     """Steps 4 and 5: the dev audit, then the blind sign-off on the fresh blind set -> (dev, blind or None)."""
-    from l47.app.audit_view import audit_and_print
-    from l47.evals.audit import AuditArgs
-
     run.console.rule("[bold]4. audit")
     dev = audit_and_print(AuditArgs(bundle, run.model, exp, run.out / "audit", ledger=run.ledger.path), run.console)
     bl = None
@@ -430,11 +405,6 @@ def _audits(run: _DemoRun, exp: Path, bundle: Path, dirs: dict[str, list[Path]])
 
 def _negative_control(run: _DemoRun, exp: Path, report) -> bool:
     """Step 6: a bundle that suppresses ' than' everywhere, through the same audit -> True when it fails."""
-    from l47.app.audit_view import audit_and_print
-    from l47.dumps import read_dump
-    from l47.evals.audit import AuditArgs
-    from l47.model.vocab import vocab_for_model
-
     console, model = run.console, run.model
     console.rule("[bold]6. negative control: a bundle that suppresses ' than' everywhere")
     word = vocab_for_model(model).encode(" than")[0]
@@ -453,8 +423,6 @@ def _negative_control(run: _DemoRun, exp: Path, report) -> bool:
 
 def _result(run: _DemoRun, bundle: Path, dev, bl, control_ok: bool | None, blind: dict) -> int:
     """demo_summary.json and the verdict lines -> exit code (0: dev and blind pass, the control fails)."""
-    from l47.fileio import write_text_atomic
-
     console = run.console
     blind_ok = None if bl is None else bl.passed
     summary = {"bundle": str(bundle), "report": str(Path(dev.out_dir) / "report.md"), "passed": dev.passed,

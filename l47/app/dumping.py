@@ -25,9 +25,22 @@ from pathlib import Path
 
 import numpy as np
 
-from l47.model import names
+from l47.dumps import DumpMeta, SCHEMA_VERSION, dump_nbytes, read_dump, write_dump
+from l47.dumps.chat import DocumentSet, chat_segments, read_documents, render_document, tokenize_segments
 from l47.dumps.schema import provenance_of
+from l47.engine import strata
+from l47.engine.gguf_export import load_hf, load_hf_from_gguf, read_hf_config
+from l47.engine.hf import (
+    HH_PRECISION, INJ_CONVENTION, SamplerSettings, batchable, capture, engine_meta, generate, generate_batch,
+    load_hf_placed, model_id, place_model, tail_weights_from_model,
+)
+from l47.engine.qsa import share_indexer_work
 from l47.errors import L47Error
+from l47.model import names
+from l47.model.gguf_io import open_gguf
+from l47.model.vocab import require_specials, vocab_for_model, vocab_from_checkpoint
+from l47.model.weights import _hparam, check_dump_dims, load_tail_weights
+from l47.tail.forward import score_dump
 
 ENGINES = ("hf", "strata")
 DEFAULT_TOLERANCE = {"hf": 1e-4, "strata": 1e-3}  # nats: f32 reference engine / Strata's fp16 prompt path
@@ -173,8 +186,6 @@ class _Prompt:
 
 def _prompt(doc, vocab, gen: GenerateOptions, plain_role: str) -> _Prompt:
     """The generation prompt of a document: a chat up to the assistant's turn, or a plain text to continue."""
-    from l47.dumps.chat import chat_segments, tokenize_segments
-
     where = f"{doc.source or 'document'} (doc {doc.id!r})"
     sp = vocab.special_ids
     if doc.messages is not None:
@@ -219,9 +230,6 @@ def _with_generation(doc, vocab, gen: GenerateOptions, p: _Prompt, new: list[int
 def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role: str,
             sampled: list[int] | None = None) -> _Rendered:
     """Render a document; with `gen`, its assistant turn is `sampled` (from a batch) or sampled here."""
-    from l47.dumps.chat import render_document
-    from l47.engine.hf import generate
-
     if gen is None:
         r = render_document(doc, vocab, plain_role)
         return _Rendered(list(r.tokens), r.role, provenance_of(r.role, None), r.text)
@@ -232,8 +240,6 @@ def _render(doc, vocab, gen: GenerateOptions | None, model, mid: str, plain_role
 
 def _sampler(gen: GenerateOptions, doc, p: _Prompt):
     """The engine's sampler for one document's turn: the run's options, the document's own seed, its stop ids."""
-    from l47.engine.hf import SamplerSettings
-
     return SamplerSettings(gen.max_new_tokens, doc_seed(gen.seed, doc.id), gen.temperature, gen.top_p, gen.top_k,
                            tuple(p.stop))
 
@@ -242,8 +248,6 @@ def _sample_batch(model, docs, prompts, gen: GenerateOptions) -> list[list[int]]
     """The sampled turns of several documents in one padded batch (engine.hf.generate_batch: the same ids as one
     at a time); [] when the batch fails (e.g. an id outside the model: each document then fails on its own,
     with its name)."""
-    from l47.engine.hf import generate_batch
-
     try:
         return generate_batch(model, [p.ids for p in prompts], [_sampler(gen, d, p) for d, p in zip(docs, prompts)])
     except L47Error:
@@ -252,10 +256,6 @@ def _sample_batch(model, docs, prompts, gen: GenerateOptions) -> list[list[int]]
 
 def _strata_document(job: "DumpJob", eng: "_LoadedEngine", doc, raw_dir: Path, source: dict):
     """One document through the external Strata binary (engine/CONTRACT.md) -> (arrays, DumpMeta)."""
-    from l47.dumps import DumpMeta
-    from l47.dumps.chat import render_document
-    from l47.engine import strata
-
     gen, vocab, mid = job.generate, eng.vocab, eng.mid
     if gen is None:
         r = render_document(doc, vocab, job.plain_role)
@@ -277,9 +277,6 @@ def _strata_document(job: "DumpJob", eng: "_LoadedEngine", doc, raw_dir: Path, s
 
 def zero_proxy(tail, dump) -> tuple[float, float]:
     """(max, mean) |log p_tail(next) − ref_logp| in nats over the dump's positions."""
-    from l47.tail.forward import score_dump
-    from l47.model.weights import check_dump_dims
-
     check_dump_dims(tail, dump.meta, str(dump.path))
     s = score_dump(tail, dump, topk=1)  # log p(next) only: the least top-k the streamed head keeps
     d = np.abs(s.logp_target - np.asarray(dump.ref_logp, dtype=np.float64))  # [T] f64
@@ -297,20 +294,14 @@ _HEADER_PER_NEW_TOKEN = 64  # a generated token's text in the metadata (the text
 def _file_nbytes(T: int, n: int, f: int, hc: int, V: int, topk: int, ref_logits: bool, text_bytes: int = 0) -> int:
     """An upper bound of one dump file's size: the array section (l47.dumps.dump_nbytes, exact) + the header
     (16 KiB + 8 bytes per byte of the text)."""
-    from l47.dumps import dump_nbytes
-
     return dump_nbytes(T, n, f, hc, V, k=topk, ref_logits=ref_logits) + _HEADER_BASE + _HEADER_PER_TEXT_BYTE * text_bytes
 
 
 def _model_dims(model_path: Path) -> tuple[int, int, int, int]:
     """(n, f, hc, V) from a GGUF's tensor table and metadata, or a checkpoint's config.json (nothing loaded)."""
     if model_path.is_dir():
-        from l47.engine.gguf_export import read_hf_config
-
         c = read_hf_config(model_path)
         return (int(c.hidden_size), int(c.shared_expert_intermediate_size), int(c.hc_count), int(c.vocab_size))
-    from l47.model.gguf_io import open_gguf
-    from l47.model.weights import _hparam
 
     g = open_gguf(model_path)
     L = int(_hparam(g, names.K_BLOCK_COUNT)) - 1
@@ -327,19 +318,13 @@ def estimate_dump_bytes(model_path, inputs, out_dir, generate: GenerateOptions |
     rendered length; generated: its prompt + max_new_tokens, an upper bound), plus the largest document once
     for a dump that is replaced (written beside the old one, then renamed over it). None when the inputs or the
     model cannot be read here (run_dump then reports that with its own error)."""
-    from l47.dumps.chat import read_documents, render_document
-
     model_path, out_dir = Path(model_path), Path(out_dir)
     try:
         n, f, hc, V = _model_dims(model_path)
         if vocab is None:
             if model_path.is_dir():
-                from l47.model.vocab import vocab_from_checkpoint
-
                 vocab = vocab_from_checkpoint(model_path, V)
             else:
-                from l47.model.vocab import vocab_for_model
-
                 vocab = vocab_for_model(model_path)
         docs = read_documents(inputs).docs
     except (L47Error, OSError, ValueError):
@@ -386,18 +371,11 @@ def _load_engine(model_path: Path, policy: str, device: str, layer: int | None, 
 
 
 def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int | None, placement=None):
-    from l47.engine.gguf_export import load_hf, load_hf_from_gguf, read_hf_config
-    from l47.engine.hf import engine_meta, load_hf_placed, model_id, place_model, tail_weights_from_model
-    from l47.engine.qsa import share_indexer_work
-
     placed = placement is not None and placement.device_map is not None
 
     if not model_path.exists():
         raise L47Error(model_path, "model", "a qwen4exp GGUF or a transformers checkpoint directory", "nothing")
     if model_path.is_file():
-        from l47.model.vocab import vocab_for_model
-        from l47.model.weights import load_tail_weights
-
         vocab = vocab_for_model(model_path)  # the GGUF's own tokenizer metadata
         mid = model_id(model_path)
         model = load_hf_from_gguf(model_path, policy=policy, device="cpu" if placed else device)
@@ -405,8 +383,6 @@ def _load_engine_uncached(model_path: Path, policy: str, device: str, layer: int
         tail = load_tail_weights(model_path, policy=policy, device=device, layer=layer)
         meta = engine_meta(model, source="gguf", policy=policy)
     else:
-        from l47.model.vocab import vocab_from_checkpoint
-
         cfg = read_hf_config(model_path)  # config.json checked before anything is loaded
         has_tok = (model_path / "tokenizer.json").is_file()  # run_dump refuses a missing one unless given a vocab
         vocab = vocab_from_checkpoint(model_path, int(cfg.vocab_size)) if has_tok else None  # its own
@@ -448,8 +424,6 @@ def _rmdir_if_empty(d: Path) -> None:
 
 
 def _existing_matches(path: Path, input_hash: str, mid: str) -> bool:
-    from l47.dumps import read_dump
-
     if not path.is_file():
         return False
     try:
@@ -609,11 +583,6 @@ def run_dump(job: DumpJob, log: Callable[[str], None] | None = None,
 def _load_job_engine(job: DumpJob) -> _LoadedEngine:
     """The Strata binary + the tail weights, or the hf model (cached per process); the vocabulary resolved."""
     if job.engine == "strata":
-        from l47.engine import strata
-        from l47.engine.hf import model_id
-        from l47.model.vocab import vocab_for_model
-        from l47.model.weights import load_tail_weights
-
         sbin = strata.strata_binary(job.engine_bin)
         if not job.model_path.is_file():
             raise L47Error(job.model_path, "model", "the qwen4exp GGUF the Strata binary runs", "not a file")
@@ -622,9 +591,6 @@ def _load_job_engine(job: DumpJob) -> _LoadedEngine:
         run = strata.StrataRun(sbin, job.model_path, tail.layer, topk=job.topk, ref_logits=job.ref_logits)
         return _LoadedEngine(run, None, tail, mid, {"name": "strata", "bin": str(sbin)}, job.vocab or default_vocab)
     if job.vocab is None and job.model_path.is_dir():  # the checkpoint's own tokenizer, checked before loading
-        from l47.engine.gguf_export import read_hf_config
-        from l47.model.vocab import vocab_from_checkpoint
-
         vocab_from_checkpoint(job.model_path, int(read_hf_config(job.model_path).vocab_size))
     model, tail, mid, meta, default_vocab = _load_engine(job.model_path, job.policy, job.device, job.layer,
                                                          job.placement)
@@ -633,12 +599,8 @@ def _load_job_engine(job: DumpJob) -> _LoadedEngine:
 
 def _plan_documents(job: DumpJob, vocab):
     """The documents (bad records collected as input errors); chat documents and generation need the specials."""
-    from l47.dumps.chat import DocumentSet, read_documents
-
     docset = job.inputs if isinstance(job.inputs, DocumentSet) else read_documents(job.inputs, split=job.split)
     if job.generate is not None or any(d.messages is not None for d in docset.docs):
-        from l47.model.vocab import require_specials
-
         need = names.SPECIAL_TOKENS if job.generate is not None else (names.IM_START, names.IM_END)
         require_specials(vocab, need, "chat documents and generation")
     return docset
@@ -677,8 +639,6 @@ def _batches(job: DumpJob, eng: _LoadedEngine, docs):
     (already dumped, or a prompt that cannot be built: their own render reports it); then the others sorted by
     prompt length (least padding) in batches of `job.batch`, each batch's turns sampled together just before its
     documents are dumped (a sampled turn depends only on its document: engine.hf.generate_batch)."""
-    from l47.engine.hf import batchable
-
     bs = job.batch if (job.generate is not None and eng.strata is None and batchable(eng.model)) else 1
     if bs == 1:
         yield from (([k], {}) for k in range(len(docs)))
@@ -725,16 +685,11 @@ def _dump_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | N
     finally:
         pending.unlink(missing_ok=True)  # never left behind, whatever failed (an interrupt included)
         if eng.strata is not None:
-            from l47.engine import strata
-
             strata.remove_raw(raw_root / path.stem, eng.L)  # the engine's contract files, nothing else
 
 
 def _hf_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | None, source: dict):
     """One document through the transformers engine -> (arrays, DumpMeta)."""
-    from l47.dumps import SCHEMA_VERSION, DumpMeta
-    from l47.engine.hf import HH_PRECISION, INJ_CONVENTION, capture
-
     cfg = eng.model.config
     r = _render(doc, eng.vocab, job.generate, eng.model, eng.mid, job.plain_role, sampled)
     arrays = capture(eng.model, r.tokens, eng.L, ref_logits=job.ref_logits, topk=job.topk,
@@ -752,8 +707,6 @@ def _hf_document(job: DumpJob, eng: _LoadedEngine, doc, sampled: list[int] | Non
 def _write_checked(job: DumpJob, eng: _LoadedEngine, doc_id: str, arrays, meta, path: Path) -> DocResult:
     """Write to the pending name, run the zero-proxy check on what was written, then rename it to the dump name
     (a stale refusal removed) or to `*.refused` above the tolerance."""
-    from l47.dumps import read_dump, write_dump
-
     pending = path.with_name(path.name + PENDING_SUFFIX)
     refused = path.with_name(path.name + REFUSED_SUFFIX)
     T = int(len(arrays["tokens"]) - 1)

@@ -30,8 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
+from l47.app import dumping
+from l47.app.paths import GGUF, Output, check_outputs
+from l47.dumps import read_dump
+from l47.dumps.chat import document_from_record, render_document
+from l47.engine import gguf_export as GE  # called through the module: tests replace its functions
 from l47.errors import L47Error
+from l47.fileio import sha256_file, temp_dir
 from l47.model import names
+from l47.model.vocab import checkpoint_tokenizer_kv, require_specials, vocab_from_kv
 
 TYPE_GROUPS = ("target", "head", "hc")  # --target-type (every blk.*.ffn_down_shexp), --head-type, --hc-type
 
@@ -89,10 +96,8 @@ class ExportResult:
 
 def _type_overrides(model_types: dict[str, int], args: ExportArgs) -> dict[str, str]:
     """GGUF name -> type name for the groups the user named."""
-    from l47.engine.gguf_export import _is_hc_matrix
-
     pick = {"target": lambda g: g.endswith(".ffn_down_shexp.weight") and names.layer_of(g) is not None,
-            "head": lambda g: g == names.OUTPUT.gguf, "hc": _is_hc_matrix}
+            "head": lambda g: g == names.OUTPUT.gguf, "hc": GE._is_hc_matrix}
     out: dict[str, str] = {}
     for grp in TYPE_GROUPS:
         t = getattr(args, f"{grp}_type")
@@ -113,9 +118,6 @@ def _check_type_names(args: ExportArgs) -> None:
 
 def validate_inputs(args: ExportArgs):
     """(config, tokenizer metadata, vocab) — every input checked, nothing loaded or written yet."""
-    from l47.engine.gguf_export import check_checkpoint_weights, read_hf_config
-    from l47.model.vocab import checkpoint_tokenizer_kv, require_specials, vocab_from_kv
-
     out = Path(args.out)
     if out.exists():
         raise L47Error(out, "output", "a path that does not exist yet (export never overwrites)", "an existing file"
@@ -123,8 +125,8 @@ def validate_inputs(args: ExportArgs):
     if not out.parent.is_dir():
         raise L47Error(out, "output folder", "an existing folder", f"no folder {out.parent}")
     _check_type_names(args)
-    cfg = read_hf_config(args.hf_dir)
-    check_checkpoint_weights(args.hf_dir, cfg)  # headers: every parameter covered, nothing extra, shapes, complete
+    cfg = GE.read_hf_config(args.hf_dir)
+    GE.check_checkpoint_weights(args.hf_dir, cfg)  # headers: every parameter covered, nothing extra, shapes, complete
     kv = checkpoint_tokenizer_kv(args.hf_dir, int(cfg.vocab_size), args.pre)
     vocab = vocab_from_kv(kv, str(Path(args.hf_dir) / "tokenizer.json"))
     require_specials(vocab, why="the chat template and the audit's turn ends")
@@ -140,8 +142,6 @@ def export_nbytes(args: ExportArgs, cfg) -> int | None:
 
     import gguf
     from safetensors import safe_open
-
-    from l47.engine.gguf_export import _type_id, seed_type
 
     hf = Path(args.hf_dir)
     files = sorted(hf.glob("*.safetensors"))
@@ -162,7 +162,7 @@ def export_nbytes(args: ExportArgs, cfg) -> int | None:
     over = _type_overrides({g: 0 for g in shapes}, args)
     total = 4 * unmapped
     for g, shp in shapes.items():
-        t = _type_id(over[g], "l47 export", g) if g in over else seed_type(g, shp)
+        t = GE._type_id(over[g], "l47 export", g) if g in over else GE.seed_type(g, shp)
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)]
         total += -(-math.prod(shp) // block) * size + 32  # + alignment
     meta = sum(p.stat().st_size for p in (hf / "tokenizer.json", hf / "config.json") if p.is_file())
@@ -181,8 +181,6 @@ def _logp_next(model, ids: list[int]) -> np.ndarray:
 
 def _rendered(vocab) -> list:
     """The check documents as `l47 dump` renders them with the exported vocabulary."""
-    from l47.dumps.chat import document_from_record, render_document
-
     return [render_document(document_from_record(d, f"export check [{i}]"), vocab) for i, d in enumerate(CHECK_DOCS)]
 
 
@@ -205,11 +203,6 @@ def run_export(args: ExportArgs, log: Callable[[str], None] | None = None) -> Ex
     import gguf
     import torch
 
-    from l47.app import dumping
-    from l47.dumps import read_dump
-    from l47.engine.gguf_export import export_gguf, export_types, load_hf, round_trip_in_place
-    from l47.fileio import sha256_file, temp_dir
-
     say = log or (lambda m: None)
     out = Path(args.out)
     cfg, kv, vocab = validate_inputs(args)
@@ -221,20 +214,18 @@ def run_export(args: ExportArgs, log: Callable[[str], None] | None = None) -> Ex
 
     nbytes = export_nbytes(args, cfg)
     if nbytes is not None:  # room for the file on its disk, before the checkpoint is loaded
-        from l47.app.paths import GGUF, Output, check_outputs
-
         check_outputs([Output(out, GGUF, "OUT", nbytes=nbytes, nbytes_what="the exported GGUF (checkpoint "
                               "tensors at the export types + metadata)")], [(args.hf_dir, "checkpoint")])
-    model = load_hf(args.hf_dir, device=args.device)
-    types = export_types(model, _type_overrides(export_types(model), args))
+    model = GE.load_hf(args.hf_dir, device=args.device)
+    types = GE.export_types(model, _type_overrides(GE.export_types(model), args))
     partial = out.with_name(f".{out.name}.partial")
     tol = dumping.DEFAULT_TOLERANCE["hf"]
     try:
         f32 = [_logp_next(model, list(r.tokens)) for r in rendered]  # [T] f64 each
         say(f"writing {len(types)} tensors ({cfg.num_hidden_layers} layers, n {cfg.hidden_size}, "
             f"V {cfg.vocab_size}) -> {out}")
-        export_gguf(model, partial, tokenizer_kv=kv, types={g: t for g, t in types.items()})
-        round_trip_in_place(model, types)
+        GE.export_gguf(model, partial, tokenizer_kv=kv, types={g: t for g, t in types.items()})
+        GE.round_trip_in_place(model, types)
         ref = [_logp_next(model, list(r.tokens)) for r in rendered]  # transformers at the exported types
         del model
         say("checking: l47 dump (hf engine, exact policy) on the exported file vs transformers on the checkpoint")

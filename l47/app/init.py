@@ -25,7 +25,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from l47.data import experiment as E
+from l47.data.experiment import load_experiment
 from l47.errors import L47Error
+from l47.fileio import staging_dir
+from l47.model.gguf_io import open_gguf
+from l47.model.names import ARCH, KEY_ARCH
+from l47.model.vocab import resolve_vocab
+from l47.solvers.ftpo import FtpoConfig
+from l47.solvers.knobs import meanings
+from l47.solvers.solve import COMMON_KEYS, DEFAULT_METHOD, METHODS, SolveConfig, resolve_config
+from l47.solvers.wfld import WfldConfig
 
 
 @dataclass(frozen=True)
@@ -99,12 +109,6 @@ def _typename(v) -> str:
 
 def schema() -> list[Key]:
     """Every key of the experiment file, defaults from the parsers' dataclasses."""
-    from l47.data import experiment as E
-    from l47.solvers.ftpo import FtpoConfig
-    from l47.solvers.knobs import meanings
-    from l47.solvers.solve import DEFAULT_METHOD, SolveConfig
-    from l47.solvers.wfld import WfldConfig
-
     keys = [
         Key("", "name", "string", None, "shown in reports (default: the file's stem)"),
         Key("", "model", "path", None, "base GGUF (or --model on the command line)"),
@@ -139,7 +143,6 @@ def schema() -> list[Key]:
 
 
 def E_SOLVER_KEYS() -> tuple[str, ...]:  # noqa: N802 - the solver's accepted [solver] keys
-    from l47.solvers.solve import COMMON_KEYS
 
     return tuple(COMMON_KEYS)
 
@@ -294,9 +297,6 @@ def _check_parses(text: str) -> None:
     """The file as `l47 sets` and `l47 solve` read it (a bad --set value is refused here, nothing written)."""
     import tempfile
 
-    from l47.data.experiment import load_experiment
-    from l47.solvers.solve import resolve_config
-
     with tempfile.TemporaryDirectory(prefix="l47-init-") as tmp:
         p = Path(tmp) / "experiment.toml"
         p.write_text(text, encoding="utf-8")
@@ -323,9 +323,6 @@ def check_folder(folder: Path) -> None:
 
 def check_model(model: Path):
     """--model: a qwen4exp GGUF (magic, header, general.architecture). Returns the opened GGUF."""
-    from l47.model.gguf_io import open_gguf
-    from l47.model.names import ARCH, KEY_ARCH
-
     model = Path(model)
     if not model.is_file():
         raise L47Error(model, "--model", "the base GGUF file (l47 export writes one)",
@@ -388,7 +385,6 @@ def _check_arguments(args: InitArgs) -> None:
     for d in args.kld:
         if not d.replace("_", "").isalnum():
             raise L47Error("l47 init", "--kld", "a domain name of letters, digits and _", repr(d))
-    from l47.solvers.solve import METHODS
 
     if args.method not in METHODS:
         raise L47Error("l47 init", "--method", f"one of {METHODS}", repr(args.method))
@@ -401,8 +397,6 @@ def _check_arguments(args: InitArgs) -> None:
 
 def _model_vocab(args: InitArgs, g):
     """The vocabulary the experiment will use: its `vocab` key (--set vocab=..., default auto: the GGUF's own)."""
-    from l47.model.vocab import resolve_vocab
-
     source = parse_settings(args.settings).get(("", "vocab"), "auto")
     try:
         return resolve_vocab(source, g)
@@ -413,8 +407,6 @@ def _model_vocab(args: InitArgs, g):
 def _write_folder(folder: Path, text: str) -> None:
     """The folder, complete or not at all: built inside a staging folder beside it, then renamed into place (an
     empty existing folder is replaced by the rename; an interrupt removes the staging folder)."""
-    from l47.fileio import staging_dir
-
     with staging_dir(folder) as stage:
         tree = stage / "experiment"
         for sub in ("prompts", "texts", "dumps"):

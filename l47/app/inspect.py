@@ -7,8 +7,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from l47.model import names
+from l47.dumps import read_dump
+from l47.engine.gguf_export import read_hf_config
 from l47.errors import L47Error
+from l47.model import names
+from l47.model.gguf_io import open_gguf
+from l47.model.vocab import checkpoint_tokenizer_kv, vocab_from_kv
 
 GGUF_MAGIC = b"GGUF"
 
@@ -24,8 +28,6 @@ def _tail_names(g) -> list[str]:
 
 
 def inspect_gguf(path: Path, console: Console) -> None:
-    from l47.model.gguf_io import open_gguf
-
     g = open_gguf(path)
     arch = g.kv.get(names.KEY_ARCH, "?")
     console.print(f"[bold]{path}[/]  GGUF v{g.version}, arch {arch}, {len(g.tensors)} tensors, "
@@ -52,8 +54,6 @@ def inspect_gguf(path: Path, console: Console) -> None:
 
 
 def inspect_dump(path: Path, console: Console) -> None:
-    from l47.dumps import read_dump
-
     d = read_dump(path)
     m = d.meta
     console.print(f"[bold]{path}[/]  dump schema v{m.schema_version}, doc {m.doc_id!r}, T = {d.T}, layer {m.layer}")
@@ -74,9 +74,6 @@ def inspect_dump(path: Path, console: Console) -> None:
 
 def inspect_checkpoint(path: Path, console: Console) -> None:
     """A transformers checkpoint folder: its qwen4exp config and its own tokenizer (what `l47 export` reads)."""
-    from l47.engine.gguf_export import read_hf_config
-    from l47.model.vocab import checkpoint_tokenizer_kv, vocab_from_kv
-
     cfg = read_hf_config(path)
     kv = checkpoint_tokenizer_kv(path, int(cfg.vocab_size))
     v = vocab_from_kv(kv, str(path / "tokenizer.json"))

@@ -25,8 +25,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from l47.data.experiment import load_experiment
+from l47.dumps import read_dump
+from l47.dumps.select import chat_structure, find_events, phrases_to_tuples
 from l47.errors import L47Error
 from l47.model import names
+from l47.model.vocab import resolve_vocab
+from l47.model.weights import edited_weight, load_tail_weights
+from l47.solvers.select import near_miss_rows
+from l47.tail.forward import score_pair
 
 
 @dataclass(frozen=True)
@@ -77,9 +84,6 @@ def _pieces(vocab, ids) -> list[str]:
 def text_view(dump, vocab, pts, dlogp: np.ndarray | None = None, bundle: str = "") -> TextView:
     """The marks of every token of `dump` under the phrase tuples `pts` (l47.dumps.select.PhraseTuples);
     dlogp [T] (row t = token t + 1) when a bundle was scored."""
-    from l47.dumps.select import chat_structure, find_events
-    from l47.solvers.select import near_miss_rows
-
     tok = np.asarray(dump.tokens, dtype=np.int64)  # [T+1]
     role = np.asarray(dump.role)  # [T]
     T = tok.shape[0] - 1
@@ -119,13 +123,9 @@ class TextArgs:
 
 def _base_and_phrases(args: TextArgs):
     """(base GGUF path, vocabulary, phrase list, weight policy) from --experiment / --model / --phrase."""
-    from l47.model.vocab import resolve_vocab
-
     phrases: list = list(args.phrases)
     model, source, policy = args.model, "auto", "strata"
     if args.experiment is not None:
-        from l47.data.experiment import load_experiment
-
         exp = load_experiment(args.experiment, check_files=False)
         phrases = list(exp.phrases) + phrases
         model, source, policy = model or exp.model, exp.vocab, exp.policy
@@ -137,9 +137,6 @@ def _base_and_phrases(args: TextArgs):
 
 def _dlogp(args: TextArgs, dump, base: Path, policy: str) -> np.ndarray:
     """[T] f64: log p_bundle − log p_base of every target token (exact tail forward on the dump's states)."""
-    from l47.model.weights import edited_weight, load_tail_weights
-    from l47.tail.forward import score_pair
-
     w = load_tail_weights(base, policy=policy, device=args.device)
     if dump.meta.model != w.model_sha256:
         raise L47Error(args.dump, "meta.model", f"the base's sha256 {w.model_sha256[:16]}… (Δlog p is measured on "
@@ -150,9 +147,6 @@ def _dlogp(args: TextArgs, dump, base: Path, policy: str) -> np.ndarray:
 
 def build_text_view(args: TextArgs) -> TextView:
     """Read the dump, the phrases and the vocabulary; score the bundle when given. L47Error on bad input."""
-    from l47.dumps import read_dump
-    from l47.dumps.select import phrases_to_tuples
-
     dump = read_dump(args.dump)
     base, vocab, phrases, policy = _base_and_phrases(args)
     too_big = int(np.asarray(dump.tokens).max(initial=0))

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+from l47.data.identity import other_model_stamp
+from l47.data.ledger import Ledger
+from l47.dumps import read_dump
 from l47.errors import L47Error
 from l47.fileio import write_text_atomic
-from l47.tail.forward import HeadStats, PairedStats, score_dump, score_pair
 from l47.model.weights import TailWeights, check_dump_dims, edited_weight, load_tail_weights, runtime_tensor
+from l47.tail.forward import HeadStats, PairedStats, score_dump, score_pair
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,6 @@ TSV_PAIRED = TSV_BASE + ("logp_target_new", "argmax_new", "kld")
 
 def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
     """Score every dump; with a bundle, paired base-vs-edited statistics from one streamed pass each."""
-    from l47.dumps import read_dump
-    from l47.data.ledger import Ledger
-
     w = load_tail_weights(args.model, policy=args.policy, device=args.device, precision=args.precision)
     ledger = Ledger.open(args.ledger, w.model_sha256)  # a corrupt ledger / another model's: refused now
     W_new, bsha = (None, None)
@@ -111,7 +111,6 @@ def run_score(args: ScoreArgs, progress=None) -> ScoreResult:
             progress()
     if args.tsv is not None:
         write_text_atomic(args.tsv, buf.getvalue())
-    from l47.data.identity import other_model_stamp
 
     return ScoreResult(tuple(docs), w.model_sha256, bsha, rows, str(args.tsv) if args.tsv else None, tuple(notes),
                        str(ledger.path), (other_model_stamp(others),) if others else ())

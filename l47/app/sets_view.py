@@ -8,7 +8,12 @@ from dataclasses import fields
 from rich.table import Table
 from rich.text import Text
 
-from l47.data.sets import POOL, Coverage, SetsReport
+from l47.data.experiment import load_experiment
+from l47.data.identity import other_model_stamp
+from l47.data.ledger import Ledger
+from l47.data.sets import Coverage, POOL, SetsReport, build_sets, write_sets_json
+from l47.errors import L47Error
+from l47.model.weights import load_tail_weights
 
 
 
@@ -89,12 +94,6 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     L47Error (the CLI prints it and exits 2)."""
     from rich.console import Console
 
-    from l47.data.experiment import load_experiment
-    from l47.data.ledger import Ledger
-    from l47.data.sets import build_sets, write_sets_json
-    from l47.errors import L47Error
-    from l47.model.weights import load_tail_weights
-
     console = console or Console()
     exp = load_experiment(experiment_path)
     src = model if model is not None else exp.model
@@ -105,8 +104,6 @@ def run_sets(experiment_path, json_out=None, console=None, *, model=None, device
     report = build_sets(exp, w, device=device, ledger=Ledger.open(ledger, w.model_sha256), command="sets")
     if notes:  # dumps of another model, allowed by --allow-other-model: the report says so
         from dataclasses import replace
-
-        from l47.data.identity import other_model_stamp
 
         report = replace(report, warnings=tuple(report.warnings) + tuple(notes),
                          stamps=tuple(report.stamps) + (other_model_stamp(len(notes)),))

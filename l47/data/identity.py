@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from l47.dumps import read_dump
 from l47.errors import L47Error
 
 _HEX = frozenset("0123456789abcdef")
@@ -19,8 +20,6 @@ def is_gguf_identity(m: str) -> bool:
 
 def dump_models(paths) -> list[tuple[Path, str]]:
     """(path, meta.model) of every readable dump (metadata only; unreadable dumps are reported elsewhere)."""
-    from l47.dumps import read_dump
-
     out = []
     for p in paths:
         try:

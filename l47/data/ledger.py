@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from l47.dumps import read_dump
 from l47.errors import L47Error
 from l47.fileio import write_text_atomic
 
@@ -159,8 +160,6 @@ class Ledger:
         if not docs:
             return
         if not self.path.exists():
-            from l47.fileio import write_text_atomic
-
             head = json.dumps({"schema": LEDGER_SCHEMA, "base_sha256": self.base_sha256}) + "\n"
             write_text_atomic(self.path, head + text)
             return
@@ -182,8 +181,6 @@ class Ledger:
 def dump_content_hashes(paths) -> dict[str, str]:
     """path -> content hash of each dump (tokens only: mapped, not validated or scored), for the ledger
     appends that precede scoring. Unreadable files are left out (the scoring step reports them)."""
-    from l47.dumps import read_dump
-
     out = {}
     for p in paths:
         try:

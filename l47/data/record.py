@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from l47.errors import L47Error
+from l47.fileio import read_json
 
 RECORD_SCHEMA = 3
 READABLE_SCHEMAS = (1, 2, 3)
@@ -223,8 +224,6 @@ def record_path_for(bundle: Path) -> Path:
 
 
 def read_record(path: Path) -> SolveRecord:
-    from l47.fileio import read_json
-
     path = Path(path)
     d = read_json(path, "solve record")
     if d.get("schema") not in READABLE_SCHEMAS:

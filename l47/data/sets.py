@@ -22,11 +22,20 @@ from pathlib import Path
 
 import numpy as np
 
-from l47.model import names
-from l47.errors import L47Error
-from l47.dumps.schema import PROV_GENERATED
-from l47.dumps.select import PhraseTuples
 from l47.data.experiment import KLD, SCORED_SETS, SETS, SOLVER_SETS, SPLIT_SETS, Experiment, load_experiment
+from l47.data.ledger import dump_content_hashes
+from l47.dumps import doc_hash, read_dump
+from l47.dumps.schema import PROV_GENERATED
+from l47.dumps.select import (
+    GuardLimits, PhraseTuples, WindowIndex, chat_structure, claims_generation, content_ids, find_collateral,
+    find_events, guard_document, phrases_to_tuples, provenance_reasons, split_documents, system_spans,
+)
+from l47.errors import L47Error
+from l47.fileio import write_text_atomic
+from l47.model import names
+from l47.model.vocab import resolve_vocab
+from l47.model.weights import TailWeights, check_dump_dims, load_tail_weights
+from l47.tail.forward import score_dump
 
 SCHEMA = "l47.sets/1"
 POOL = "pool"
@@ -255,8 +264,6 @@ _SOLVE_KEYS = ("phrases", "collateral_words", "vocab", "policy", "split")
 def document_identities(paths) -> dict[str, str]:
     """path -> the document's identity: the sha256 of its token ids (the header and tokens only are read, never
     scored); a file that cannot be read as a dump is named by its bytes instead ("unreadable <sha256>")."""
-    from l47.dumps import doc_hash, read_dump
-
     out = {}
     for p in paths:
         try:
@@ -391,8 +398,6 @@ def load_sets_report(path) -> SetsReport:
 
 def write_sets_json(report: SetsReport, path) -> Path:
     """Atomic write (l47.fileio)."""
-    from l47.fileio import write_text_atomic
-
     return write_text_atomic(path, report.to_json())
 
 
@@ -417,8 +422,6 @@ class _Doc:
     blind_counts: tuple | None = None  # blind set: (events, occurrences) per phrase (blind_event_counts)
 
     def content_of(self, exclude) -> np.ndarray:
-        from l47.dumps.select import content_ids
-
         return content_ids(*self.ids_roles, exclude=exclude)
 
 
@@ -455,8 +458,6 @@ class _Ctx:
 def _read(path: Path):
     """One document's file, read once: the dump fully validated (read_dump) and both its hashes (token ids:
     identity; file bytes: provenance) computed. -> Dump, or the L47Error that refuses it."""
-    from l47.dumps import read_dump
-
     try:
         dump = read_dump(path)
     except L47Error as e:
@@ -484,9 +485,6 @@ def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
     """One document (`dump`: `_read`'s result): identity (its token ids), check it fits the model, score it once
     with the base head (never a blind one), find its events and collateral, guard it (provenance, salad, CE,
     sampler, chat structure) and report it."""
-    from l47.dumps.select import claims_generation, find_collateral, find_events
-    from l47.model.weights import check_dump_dims
-
     w, vocab = ctx.weights, ctx.vocab
     if isinstance(dump, L47Error):
         return _refused(d, f"unreadable dump: {dump}")
@@ -522,8 +520,6 @@ def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
 
 def _identify(d: _Doc, dump) -> None:
     """The document's identity (the sha256 of its token ids), its content targets and generated roles."""
-    from l47.dumps.select import system_spans
-
     d.sha = dump.sha256  # content hash of the token ids (l47.dumps.content_hash): the document's identity
     d.content_key = d.sha
     d.file_sha = dump.file_sha256
@@ -539,8 +535,6 @@ def _identify(d: _Doc, dump) -> None:
 def _guard(d: _Doc, dump, tokens, role, stats, ctx: _Ctx):
     """Reasons to refuse the document: provenance and the natural-text guards (sets the solver or the audit's
     natural-text bars read), and the chat structure a chat set needs. -> (reasons, guard result, chat)."""
-    from l47.dumps.select import GuardLimits, chat_structure, guard_document, provenance_reasons
-
     w, vocab, th = ctx.weights, ctx.vocab, ctx.thresholds
     meta = dump.meta
     chat = chat_structure(tokens, role, vocab.special_ids)
@@ -624,8 +618,6 @@ def _copies(docs: list) -> list:
 def _pool_groups(docs: list, nwin: int) -> dict[str, str]:
     """Accepted pool documents sharing an `nwin`-token content window, grouped (union-find): content hash ->
     its group's key, so near-duplicates land in one split. Common system prompts are already stripped."""
-    from l47.dumps.select import WindowIndex
-
     pool = [d for d in docs if d.set == POOL and not d.report.refused]
     group = {d.sha: d.sha for d in pool}
     if not pool or nwin <= 0:
@@ -651,8 +643,6 @@ def _pool_groups(docs: list, nwin: int) -> dict[str, str]:
 def _window_overlaps(docs: list, nwin: int) -> list:
     """Scored documents sharing `nwin` consecutive content tokens with a training document (after the split):
     refused, returned as (document, training document, "window", WindowHit) pairs."""
-    from l47.dumps.select import WindowIndex
-
     pairs = []
     if nwin <= 0:
         return pairs
@@ -675,8 +665,6 @@ def _window_overlaps(docs: list, nwin: int) -> list:
 def _split_pool(docs: list, exp: Experiment, th, group: dict[str, str]) -> dict | None:
     """Seeded split of the pool's accepted documents into train / dev / heldout, in place (d.set); None without
     a [split] table. `group`: content hash -> group key (near-duplicates split together)."""
-    from l47.dumps.select import split_documents
-
     # by document; key: hash of the token ids (of the group's first member when near-duplicates were grouped),
     # so file names and metadata such as the input path do not matter
     split_info = None
@@ -720,8 +708,6 @@ def blind_event_counts(tokens, role, phrases, ref_logp, non_event_p: float) -> t
     prefix-exact occurrences of a banned tuple (tokens [T+1], role [T]), and of those the events — base p of
     the final token ≥ non_event_p by the engine's own log p recorded in the dump (ref_logp [T], the base model
     that generated it); without ref_logp every occurrence counts. -> ({phrase: events}, {phrase: occurrences})."""
-    from l47.dumps.select import find_events
-
     ev: dict[str, int] = {pt.phrase: 0 for pt in phrases if pt.tuples}
     occ = dict(ev)
     for e in find_events(np.asarray(tokens, dtype=np.int64), phrases, role):
@@ -803,9 +789,6 @@ def _warnings(exp, th, issues, docs, ev, col, phrases, words, blind=None) -> lis
 def _inputs(experiment, weights_or_model_path, vocab, device):
     """The experiment, the base model's tail weights and its vocabulary; refuses an experiment without a model or
     without phrases. -> (Experiment, TailWeights, Vocab)."""
-    from l47.model.vocab import resolve_vocab
-    from l47.model.weights import TailWeights, load_tail_weights
-
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     src = weights_or_model_path if weights_or_model_path is not None else exp.model
     if src is None:
@@ -872,9 +855,6 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
     pass here (l47.tail.forward.score_dump). The audit passes its own, so each document is scored once.
     `ledger` (l47.data.ledger.Ledger): every document this scores (all but blind ones) is appended to it, by
     content, against the base model, before the first score is computed."""
-    from l47.dumps.select import phrases_to_tuples
-    from l47.tail.forward import score_dump
-
     exp, w, vocab = _inputs(experiment, weights_or_model_path, vocab, device)
     th = exp.thresholds
     phrases, issues = phrases_to_tuples(exp.phrases, vocab)
@@ -884,8 +864,6 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
                final_ids=np.array(sorted(finals | set(words.values())), dtype=np.int64),
                base_stats=base_stats or (lambda dump, k: score_dump(w, dump, topk=k)))
     if ledger is not None:
-        from l47.data.ledger import dump_content_hashes
-
         ledger.append(dump_content_hashes(p for s, p in exp.documents() if s != "blind").values(), w.model_sha256,
                       command)
     docs = _score_documents(exp, ctx, progress)

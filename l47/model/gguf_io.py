@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from l47.errors import L47Error
 from l47.fileio import atomic_open, sha256_file
 from l47.model.names import DEFAULT_ALIGNMENT, KEY_ALIGNMENT, KEY_ARCH
+from l47.model.quants import dequantize
 
 GGUF_MAGIC = b"GGUF"
 GGUF_WRITE_VERSION = 3
@@ -191,8 +192,6 @@ class GGUFFile:
 
     def tensor(self, name: str, device=None):
         """The tensor as f32 torch, LOGICAL shape, through the project's dequantizers (l47.model.quants)."""
-        from l47.model.quants import dequantize  # lazy: torch and the codecs only when values are needed
-
         ti = self.info(name)
         return dequantize(self.raw(name), ti.ggml_type, ti.shape, name=name, device=device)
 

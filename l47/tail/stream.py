@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from l47.errors import L47Error
 from l47.model.weights import PRECISIONS, SPLITS, Numerics
 from l47.tail import fused
 from l47.tail.topk import topk_lowest_id
@@ -119,8 +120,6 @@ def check_precision(mix: torch.Tensor, head: torch.Tensor, num: Numerics, chunk:
         return
     want = num.precision
     if want not in PRECISIONS + ("auto",):
-        from l47.errors import L47Error
-
         raise L47Error("--precision", "precision", "f32, split-fp16, split-bf16 or auto", repr(want))
     if want == "f32" or (want == "auto" and not mix.is_cuda):
         num.used = "f32"

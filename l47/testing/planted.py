@@ -23,7 +23,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from l47.model import names
+from l47.data import record as rec
+from l47.data.experiment import load_experiment
+from l47.data.record import read_record, record_path_for
+from l47.dumps import read_dump, write_dump
+from l47.dumps.select import chat_structure, find_events, phrases_to_tuples
+from l47.model import names, quants
+from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
+from l47.model.vocab import vocab_from_gguf
+from l47.model.weights import edited_weight, load_tail_weights
+from l47.tail.forward import logp_at, mix_of_dump, score_dump
 
 REFUSED = "refused"  # Plant.expect for inputs the audit must refuse before scoring (exit 2, nothing scored)
 
@@ -68,8 +77,6 @@ def resave(src, dst: Path, *, rows: slice | None = None, drop_ref: bool = False,
     """A re-saved copy of a dump: new file name and doc_id (other file bytes, the same tokens), optionally only the
     rows `rows` (a near-copy: shares a long window, not the whole token sequence), without the engine's own log p
     (ref_*: the zero-proxy check cannot run), or with another provenance."""
-    from l47.dumps import read_dump, write_dump
-
     d = read_dump(src)
     arr = {k: np.array(v) for k, v in d.arrays().items()}
     if rows is not None:
@@ -92,8 +99,6 @@ def variant(experiment: Path, dst: Path, add: dict[str, list[Path]] | None = Non
             swap: dict[Path, Path] | None = None) -> Path:
     """The experiment file with documents added to sets (`add`: set name or "kld.<domain>" -> paths) or one dump
     replaced by another (`swap`), written to `dst` with every path absolute (so it can live anywhere)."""
-    from l47.data.experiment import load_experiment
-
     import tomli_w  # dev dependency: the standard library reads TOML but does not write it
 
     exp = load_experiment(experiment)
@@ -131,9 +136,6 @@ def _pick(docs: list[dict], sets: tuple[str, ...]) -> dict:
 
 def _with_record(bundle: Path, src_bundle: Path, **changes) -> Path:
     """A solve record beside `bundle`: `src_bundle`'s, naming the new bundle's sha256, fields replaced."""
-    from l47.data.record import read_record, record_path_for
-    from l47.model.gguf_io import open_gguf
-
     r = read_record(record_path_for(src_bundle))
     r = replace(r, bundle_sha256=open_gguf(bundle).sha256(), **changes)
     record_path_for(bundle).write_text(r.to_json())
@@ -142,8 +144,6 @@ def _with_record(bundle: Path, src_bundle: Path, **changes) -> Path:
 
 def noop_bundle(run: HonestRun, dst: Path) -> Path:
     """The honest bundle with the target's bytes put back to the base's: a bundle that edits nothing."""
-    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
-
     target = _target(run)
     copy_with_tensor_replaced(run.bundle, dst, {target: np.array(open_gguf(run.base).raw(target))})
     return _with_record(dst, run.bundle)
@@ -153,8 +153,6 @@ def second_tensor_bundle(run: HonestRun, dst: Path) -> tuple[Path, str]:
     """The honest bundle with one more tensor changed (one value of a layer-0 tensor, which the tail forward never
     reads, so every other bar stays as it was): (bundle, the tensor's name)."""
     import gguf
-
-    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
 
     g = open_gguf(run.bundle)
     known = [n for n in sorted(g.tensors) if g.info(n).nbytes is not None and n != _target(run)]
@@ -174,8 +172,6 @@ def second_tensor_bundle(run: HonestRun, dst: Path) -> tuple[Path, str]:
 
 def capped_bundle(run: HonestRun, dst: Path) -> Path:
     """The honest bundle, its record saying the solver stopped at its iteration cap above its tolerance."""
-    from l47.data import record as rec
-
     shutil.copy(run.bundle, dst)
     r = rec.read_record(rec.record_path_for(run.bundle))
     conv = rec.Convergence(stop_reason=rec.STOP_ITERATION_CAP, max_violation=1.0, violation_tol=0.01,
@@ -187,13 +183,6 @@ def special_push_bundle(run: HonestRun, dst: Path, docs: list[Path], *, flips: i
     """The honest ΔW plus a push of <|im_end|>: α·g with g = ∂ Σ log p(<|im_end|>) / ∂ΔW over the rows of `docs`
     (exact differentiable tail forward), α doubled until <|im_end|> becomes the argmax at `flips` or more
     non-terminal rows of those documents that had another argmax. Re-quantised to Q8_0 like every bundle."""
-    from l47.dumps import read_dump
-    from l47.dumps.select import chat_structure
-    from l47.model.weights import edited_weight, load_tail_weights
-    from l47.tail.forward import logp_at, mix_of_dump, score_dump
-
-    from l47.data.experiment import load_experiment
-
     w = load_tail_weights(run.base, policy=load_experiment(run.experiment).policy)
     W_new, _ = edited_weight(w, run.bundle)
     dW0 = (W_new - w.W_sd).detach()  # [n, f] the honest edit
@@ -225,14 +214,6 @@ def one_phrase_bundle(run: HonestRun, dst: Path, *, residual: float = 0.1) -> tu
     ∂ΔW over that phrase's events in the training documents (exact differentiable tail forward), α doubled until
     the phrase's mean p(final) there is ≤ `residual` × base. The phrase is the one with the most training events
     (ties: the first in the experiment). -> (bundle, phrase). Re-quantised in the target's own type."""
-    from l47.data.experiment import load_experiment
-    from l47.dumps import read_dump
-    from l47.dumps.select import find_events, phrases_to_tuples
-    from l47.model.gguf_io import open_gguf
-    from l47.model.vocab import vocab_from_gguf
-    from l47.model.weights import load_tail_weights
-    from l47.tail.forward import logp_at, mix_of_dump
-
     exp = load_experiment(run.experiment)
     w = load_tail_weights(run.base, policy=exp.policy)
     pts, _ = phrases_to_tuples(exp.phrases, vocab_from_gguf(open_gguf(run.base)))
@@ -269,9 +250,6 @@ def one_phrase_bundle(run: HonestRun, dst: Path, *, residual: float = 0.1) -> tu
 def unnatural_text(base: Path, n_tokens: int = 160, seed: int = 0) -> str:
     """Text the model finds unnatural whatever its vocabulary: `n_tokens` ids drawn uniformly from the vocabulary
     less its special tokens, decoded (a document near ln V nats per token, far above bar proxy.base_ce's ½ ln V)."""
-    from l47.model.gguf_io import open_gguf
-    from l47.model.vocab import vocab_from_gguf
-
     vocab = vocab_from_gguf(open_gguf(base))
     pool = np.setdiff1d(np.arange(vocab.size), np.asarray(list(vocab.special_ids.values()), dtype=np.int64))
     ids = np.random.default_rng(seed).choice(pool, size=n_tokens)
@@ -280,9 +258,6 @@ def unnatural_text(base: Path, n_tokens: int = 160, seed: int = 0) -> str:
 
 def _write_edit(run: HonestRun, dst: Path, w, W_sd_new: torch.Tensor) -> Path:
     """The honest bundle with its target replaced by W_sd_new re-quantised in the target's own type."""
-    from l47.model import quants
-    from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
-
     ti = open_gguf(run.bundle).info(w.target)
     raw = quants.quantize(W_sd_new, ti.ggml_type, w.target).numpy()
     copy_with_tensor_replaced(run.bundle, dst, {w.target: raw})
@@ -290,15 +265,10 @@ def _write_edit(run: HonestRun, dst: Path, w, W_sd_new: torch.Tensor) -> Path:
 
 
 def _target(run: HonestRun) -> str:
-    from l47.data.record import read_record, record_path_for
-
     return read_record(record_path_for(run.bundle)).target
 
 
 def _special_ids(run: HonestRun) -> dict[str, int]:
-    from l47.model.gguf_io import open_gguf
-    from l47.model.vocab import vocab_from_gguf
-
     return dict(vocab_from_gguf(open_gguf(run.base)).special_ids)
 
 
@@ -311,8 +281,6 @@ def plant_all(run: HonestRun, out: Path, forged: Path | None = None, unnatural: 
     the model did not generate (a written chat, never scored), to be planted as a blind document claiming to be
     the model's own generation; `unnatural`: a dump of text the model finds unnatural (unnatural_text), planted
     in a scored set (both need an engine to dump, so the caller makes them)."""
-    from l47.model.gguf_io import open_gguf
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     docs = run.documents()
@@ -372,8 +340,6 @@ def _left_phrases(removed: str) -> Callable[[object], bool]:
 
 
 def _is_chat(doc: dict) -> bool:
-    from l47.dumps import read_dump
-
     d = read_dump(doc["path"], validate=False)
     return bool((np.asarray(d.role) == names.ROLE_ID["think"]).any())
 

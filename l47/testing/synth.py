@@ -39,9 +39,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as gq
 
-from l47.model import names
 from l47.errors import L47Error
+from l47.model import names
 from l47.model.gguf_io import write_gguf
+from l47.model.quants import quantize  # Q6_K and friends: gguf.quants only dequantizes K-quants
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,6 @@ def _quantize(w: np.ndarray, qtype: GGMLQuantizationType, name: str) -> np.ndarr
     if qtype in (BF16, Q8_0):  # ggml reference rules (gguf.quants; Q8_0 bit-exact with ggml)
         return gq.quantize(w, qtype).view(np.uint8)
     import torch
-
-    from l47.model.quants import quantize  # Q6_K and friends: gguf.quants only dequantizes K-quants
 
     return quantize(torch.from_numpy(np.ascontiguousarray(w)), int(qtype), name=name).numpy()
 
