@@ -281,6 +281,8 @@ CLI_DEFERS = {"l47.app.cli": "each command imports its driver when it runs: `l47
 # imports l47 inside a function fails the test: delete it.
 DEFERRED: dict[str, str] = {
     "l47.tail.fused": "l47.tail.fused_kernels imports triton (optional, CUDA only): loaded when a kernel is built",
+    "l47.app.paths": "the path and option checks run before every command: a bad path is refused before torch and "
+                     "the solvers load (test_a_bad_path_is_refused_before_anything_heavy_loads)",
 }
 # modules still importing l47 inside a function, left to their owners (moved when next edited). An entry that no
 # longer does (and exists) fails the test: delete it.
@@ -336,3 +338,24 @@ def test_cli_start_up_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+def test_a_bad_path_is_refused_before_anything_heavy_loads(tmp_path):
+    """`l47 plan` of an experiment file that is not TOML exits 2 with one line naming it, and by then none of the
+    heavy libraries has been imported: the checks every command runs first (l47.app.paths) are cheap. Fresh
+    interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "experiment.toml"
+    missing.write_text("this is = not [valid toml\n")
+    code = ("import sys\nfrom l47.app.cli import app\ntry:\n    app(['plan', %r])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code)\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))") % str(missing)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "COLUMNS": "400"})
+    lines = out.stdout.strip().splitlines()
+    assert "exit 2" in lines, out.stdout[-2000:] + out.stderr[-2000:]
+    assert str(missing.name) in out.stdout + out.stderr
+    assert lines[-1] == "[]", out.stdout[-2000:]

@@ -20,24 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from l47.app.dumping import DUMP_SUFFIX, REFUSED_SUFFIX, dump_name, estimate_dump_bytes
-from l47.app.score import TSV_BASE, TSV_PAIRED
-from l47.data.experiment import load_experiment
-from l47.data.identity import other_model_notes
-from l47.data.ledger import check_ledger_file
-from l47.data.record import record_path_for
-from l47.data.sets import SCHEMA, check_sets_report, load_sets_report
-from l47.dumps import read_dump
-from l47.dumps.chat import read_documents
 from l47.errors import L47Error
-from l47.evals.audit import AUDIT_SCHEMA
-from l47.evals.penalty import FORMS, PENALTY_SCHEMA
-from l47.evals.plots import SWEEP_PLOT_TITLE
-from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
-from l47.model.gguf_io import open_gguf
-from l47.model.names import PROVENANCE_PREFIX
-from l47.solvers.solve import resolve_config
-from l47.solvers.sweep import TABLE_COLUMNS, sweep_paths_for
 
 # --- kinds of output: what an existing file must look like to be overwritten without --force -----------------
 
@@ -66,6 +49,9 @@ def _head(path: Path, n: int) -> bytes:
 
 
 def _is_l47_gguf(path: Path) -> bool:
+    from l47.model.gguf_io import open_gguf
+    from l47.model.names import PROVENANCE_PREFIX
+
     if _head(path, 4) != b"GGUF":
         return False
     try:
@@ -86,16 +72,22 @@ def _json_schema(path: Path):
 
 
 def _is_score_tsv(path: Path) -> bool:
+    from l47.app.score import TSV_BASE, TSV_PAIRED
+
     first = _head(path, 4096).split(b"\n", 1)[0].decode("utf-8", "replace")
     return first in ("\t".join(TSV_BASE), "\t".join(TSV_PAIRED))
 
 
 def _is_sets_json(path: Path) -> bool:
+    from l47.data.sets import SCHEMA
+
     d = _json_schema(path)
     return d is not None and d.get("schema") == SCHEMA
 
 
 def _is_penalty_json(path: Path) -> bool:
+    from l47.evals.penalty import PENALTY_SCHEMA
+
     d = _json_schema(path)
     return d is not None and d.get("schema") == PENALTY_SCHEMA
 
@@ -116,10 +108,14 @@ def _is_plan_json(path: Path) -> bool:
 
 
 def _is_sweep_tsv(path: Path) -> bool:
+    from l47.solvers.sweep import TABLE_COLUMNS
+
     return _head(path, 4096).split(b"\n", 1)[0].decode("utf-8", "replace").startswith("\t".join(TABLE_COLUMNS))
 
 
 def _is_sweep_png(path: Path) -> bool:
+    from l47.evals.plots import SWEEP_PLOT_TITLE
+
     h = _head(path, 4096)
     return h.startswith(b"\x89PNG") and SWEEP_PLOT_TITLE.encode() in h
 
@@ -129,6 +125,8 @@ def _is_ledger(path: Path) -> bool:
 
 
 def _is_audit_report(path: Path) -> bool:
+    from l47.evals.audit import AUDIT_SCHEMA
+
     d = _json_schema(path)
     return d is not None and d.get("schema") == AUDIT_SCHEMA
 
@@ -246,6 +244,8 @@ def check_outputs(outputs: Iterable[Output], inputs: Iterable[tuple[Path | None,
             raise L47Error(p, o.option, "a file path", "a directory")
         _refuse_inputs(p, o.option, ins)
         if p.exists() and o.kind == LEDGER:
+            from l47.data.ledger import check_ledger_file
+
             check_ledger_file(p)  # a corrupt ledger fails now, not after the work
         elif p.exists() and not force:
             want, sniff = _SNIFF[o.kind]
@@ -279,16 +279,23 @@ def experiment_inputs(exp) -> list[tuple[Path, str]]:
 
 
 def _exp(path):
+    from l47.data.experiment import load_experiment
+
     return load_experiment(path)  # validated now: a bad experiment fails before any model is loaded
 
 
 def _overlay_nbytes(model: Path) -> int:
+    from l47.model.gguf_io import open_gguf
+
     g = open_gguf(model)
     return sum(int(i.nbytes or 0) for n, i in g.tensors.items() if n.endswith("ffn_down_shexp.weight"))
 
 
 def _models(exp, model, allow: bool, extra=()) -> list[str]:
     """Refuse dumps of another model (l47.data.identity) before any work; notes when allowed."""
+    from l47.data.identity import other_model_notes
+    from l47.model.gguf_io import open_gguf
+
     model = model or exp.model
     if model is None or not Path(model).is_file():
         return []  # the command itself reports the missing model
@@ -310,6 +317,8 @@ REPORT_BASE = 4 << 20  # plots and the reports' fixed part
 def _positions(paths) -> tuple[int, int]:
     """(positions, longest path) of the readable dumps among `paths` (headers only; unreadable ones are the
     command's to report)."""
+    from l47.dumps import read_dump
+
     T, longest = 0, 0
     for p in paths:
         try:
@@ -344,9 +353,14 @@ def _file_out(json_out):
 
 def check_solve(args, force=False, json_out=None) -> list[str]:
     """`l47 solve`'s paths, config and sets report before the model is read (args: l47.solvers.solve.SolveArgs)."""
+    from l47.data.record import record_path_for
+    from l47.solvers.solve import resolve_config
+
     exp = _exp(args.experiment)
     resolve_config(exp.solver, args.method, str(exp.path))  # every knob checked before the model is read
     if args.sets_json is not None:
+        from l47.data.sets import check_sets_report, load_sets_report
+
         # a bad or stale sets report fails now, not after the model is loaded
         check_sets_report(load_sets_report(args.sets_json), exp, args.sets_json)
     model = args.model or exp.model
@@ -359,6 +373,8 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
             Output(_file_out(json_out), SOLVE_RECORD, "--json"),
             Output(args.ledger, LEDGER, "--ledger")]
     if args.sweep:
+        from l47.solvers.sweep import sweep_paths_for
+
         png, tsv = sweep_paths_for(out)
         outs += [Output(png, SWEEP_PNG, "--out (its sweep plot)"), Output(tsv, SWEEP_TSV, "--out (its sweep table)")]
     check_outputs(outs, ins, force=force)
@@ -368,6 +384,8 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
 def check_plan(experiment, json_out, model, sets_json, force=False) -> None:
     exp = _exp(experiment)
     if sets_json is not None:
+        from l47.data.sets import check_sets_report, load_sets_report
+
         check_sets_report(load_sets_report(sets_json), exp, sets_json)  # made from this experiment's content?
     ins = experiment_inputs(exp) + [(model or exp.model, "base model"), (sets_json, "sets report")]
     check_outputs([Output(_file_out(json_out), PLAN_JSON, "--json")], ins, force=force)
@@ -382,6 +400,8 @@ def expand_dump_paths(paths, option: str) -> tuple[Path, ...]:
     """The dumps a list option names: each path as given, a folder standing for the dump files directly in it
     (*.safetensors, sorted by name; `l47 dump --out` writes them there). A folder holding none is refused (a
     misspelt or unfilled folder would otherwise be an empty blind set)."""
+    from l47.app.dumping import DUMP_SUFFIX
+
     out: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():
@@ -396,6 +416,8 @@ def expand_dump_paths(paths, option: str) -> tuple[Path, ...]:
 
 def check_audit(args, force=False, json_out=None) -> list[str]:
     """`l47 audit`'s inputs and outputs, with room for the report (args: l47.evals.audit.AuditArgs)."""
+    from l47.evals.report import POSITIONS_TSV, REPORT_JSON, REPORT_MD
+
     exp = _exp(args.experiment)
     ins = experiment_inputs(exp) + [(args.bundle, "bundle"), (args.base, "base model"),
                                     (args.dev_report, "dev report"), (args.record, "solve record")]
@@ -416,6 +438,8 @@ def check_penalty(args, force=False, allow_other_model=False) -> list[str]:
     """`l47 penalty`'s bias, form, inputs and outputs (args: l47.evals.penalty.PenaltyArgs)."""
     import math
 
+    from l47.evals.penalty import FORMS
+
     exp = _exp(args.experiment)
     bias, form = args.bias, args.form
     if not (isinstance(bias, (int, float)) and math.isfinite(bias) and bias > 0):
@@ -433,6 +457,8 @@ def check_dump(inputs, model, out, generate=None, ref_logits: bool = False) -> N
     """Inputs exist; --out is a folder (or new path) that is not an input, writable, with room on its disk for
     the dumps (l47.app.dumping.estimate_dump_bytes: the documents' token counts x the model's dims, read without
     loading the model)."""
+    from l47.app.dumping import estimate_dump_bytes
+
     if not Path(inputs).exists():
         raise L47Error(inputs, "input", "an existing JSONL file or dataset", "nothing at that path")
     if not Path(model).exists():
@@ -450,6 +476,10 @@ def _check_dump_files(inputs, out, ins) -> None:
     """Each document's dump file in --out (l47.app.dumping.dump_name) is new, or a dump l47 wrote (a rerun resumes
     or replaces it), never another file — e.g. a checkpoint's model.safetensors when --out is its folder — and
     never an input."""
+    from l47.app.dumping import REFUSED_SUFFIX, dump_name
+    from l47.dumps import read_dump
+    from l47.dumps.chat import read_documents
+
     out = Path(out)
     if not out.is_dir():
         return
