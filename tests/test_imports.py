@@ -286,7 +286,7 @@ DEFERRED: dict[str, str] = {
 }
 # modules still importing l47 inside a function, left to their owners (moved when next edited). An entry that no
 # longer does (and exists) fails the test: delete it.
-PENDING_DEFERRED: set[str] = {"l47.app.solve_report", "l47.app.estimate_view"}
+PENDING_DEFERRED: set[str] = set()
 
 
 def function_level_imports(path: Path) -> list[tuple[int, str]]:

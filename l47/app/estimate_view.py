@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+from l47.solvers.estimate import estimate_solve
+from l47.solvers.solve import check_feasible, plan_solve, pose, solver_for
+
 
 def human(seconds: float) -> str:
     """'8.0 s', '42 s', '3.5 min', '2.1 h', '3.2 days'."""
@@ -31,8 +34,6 @@ def plan_and_estimate(args, log):
     """`l47 plan`'s work: solvers/solve.py `run_plan`'s steps (plan_solve → pose → check_feasible), then the
     solve-time estimate of the posed problem on this machine. Returns (FeasibilityPlan, AnchorChoice | None,
     Estimate)."""
-    from l47.solvers.estimate import estimate_solve
-    from l47.solvers.solve import check_feasible, plan_solve, pose, solver_for
 
     plan = plan_solve(args)
     problem = pose(plan, solver_for(plan.cfg.method), log)

@@ -9,6 +9,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from l47.evals.plots import plot_sweep
+from l47.solvers.solve import run_solve
+from l47.solvers.sweep import run_sweep, sweep_paths_for
+
 
 class FtpoProgress:
     """`progress` callback for run_solve: a transient bar over the FTPO steps (created at the first step)."""
@@ -130,8 +134,6 @@ def _interval_text(iv) -> str:
 
 def print_sweep(res, console: Console) -> None:
     """The sweep's candidates (dev figures, exact KL) and the choice; draws the plot beside the bundle."""
-    from l47.evals.plots import plot_sweep
-    from l47.solvers.sweep import sweep_paths_for
 
     sw = res.record.sweep
     png, tsv = sweep_paths_for(res.bundle)
@@ -152,8 +154,6 @@ def print_sweep(res, console: Console) -> None:
 
 def solve_and_print(args, console: Console):
     """run_solve with messages and the FTPO bar on `console`, then the claims (and the sweep's candidates)."""
-    from l47.solvers.solve import run_solve
-    from l47.solvers.sweep import run_sweep
 
     with FtpoProgress(console) as bar:
         res = (run_sweep if args.sweep else run_solve)(args, log=lambda m: console.print(m, highlight=False),
