@@ -142,7 +142,17 @@ class FeasibilityPlan:
 
     @property
     def short(self) -> list[PhrasePlan]:
-        return [p for p in self.phrases if p.binding != BINDING_NONE]
+        """The phrases the plan shows cannot reach the target (exit 1): no train events, every event inside the
+        anchors' span, or short even at first order (the linearised bound, an optimistic one)."""
+        return [p for p in self.phrases if p.binding in (BINDING_EVENTS, BINDING_SPAN)
+                or (p.binding != BINDING_NONE and p.reachable_gap < p.needed_gap)]
+
+    @property
+    def unproven(self) -> list[PhrasePlan]:
+        """The phrases reachable at first order whose binding the plan read off its own edit (it stays above the
+        target): a warning, not a verdict — the plan's edit is one admissible candidate, not the best one (on zoo
+        seed 3 --small the solver went below it on five of six phrases: docs/BENCHMARKS.md)."""
+        return [p for p in self.phrases if p.binding != BINDING_NONE and p not in self.short]
 
     def to_dict(self) -> dict:
         d = asdict(replace(self, edit_dW=None))

@@ -312,6 +312,10 @@ def describe_feasibility(fp) -> list[str]:
         out.append(f"plan: {p.phrase!r} cannot reach its target: {p.binding} ({edit}needs {p.needed_gap:.3g} nats of "
                    f"log-odds, first-order reachable {p.reachable_gap:.3g}; {p.events.get('train', 0)} train events, "
                    f"{p.span_share_mean:.0%} of their keys inside the protected span)")
+    for p in fp.unproven:
+        out.append(f"plan: {p.phrase!r} not shown reachable: the plan's own edit within the budget reaches "
+                   f"{p.edit_residual:.3g} ({p.binding}); first-order reachable {p.reachable_gap:.3g} of "
+                   f"{p.needed_gap:.3g} nats needed — the solver may do better")
     return out + [f"plan: {n}" for n in fp.notes]
 
 

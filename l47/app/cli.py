@@ -451,6 +451,10 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
                       f"{c['unique_directions']} directions only it uses", highlight=False)
     for n in fp.notes:
         console.print(f"[yellow]note:[/] {n}", highlight=False)
+    for p in fp.unproven:
+        console.print(f"[yellow]warning:[/] {p.phrase!r} not shown reachable: the plan's own edit within the budget "
+                      f"reaches {p.edit_residual:.3g} ({p.binding}); reachable at first order — the solver may do "
+                      "better", highlight=False)
     for line in estimate_lines(est):
         console.print(line, highlight=False)
     if json_out:
