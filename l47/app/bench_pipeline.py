@@ -16,7 +16,8 @@ The world (built once into a work folder, reused when it is already there; its b
   * states: `synth_dump_arrays` (random R, inj, hh, sgv, yr at realistic scales) with hh carrying a prefix key
     (column KEY_COL = KEY at every prefix-exact row, as a real model's prefix detector would) and a constant
     feature; yr moved along each row's target head row so that the exact tail forward gives the base model a
-    language-model-like fit: events p(final) ~ U(0.3, 0.95) by bisection per event row, every other row an
+    language-model-like fit: events p(final) ~ U(0.3, EVENT_P_MAX) by bisection per event row (up to near-certain
+    slop: about one event in seven at p ≥ 0.9, one in seventy at p ≥ 0.99), every other row an
     offset drawn from a bisection-calibrated sample (p(target) ~ U(0.05, 0.9), so CE ~ 1 nat, not ln V).
     Dumps are written unverified (no ref_* arrays: no engine ran), provenance "written".
 
@@ -26,7 +27,7 @@ reusing the sets JSON), audit (`run_audit`, no plots). Peak memory: host VmHWM a
 CUDA max_memory_allocated above the stage's start. FTPO: the step count and stop reason (the record's
 convergence), the trainer's measured seconds per step (from its progress reports, one per exact evaluation) beside
 the plan's estimate by part (forward, KL, backward, judge). Also reported: the head precision the solve used, and
-how many train/dev events have base p ≥ 0.9 (the fit draws p(final) ~ U(0.3, 0.95): about one in thirteen).
+how many train/dev events have base p ≥ 0.9 and ≥ 0.99 (the fit draws p(final) ~ U(0.3, EVENT_P_MAX)).
 The audit verdict is reported but not the point (synthetic model). Sizes: FULL (the real dims), REDUCED (a small
 smoke run), TINY (a test's: event minima 1, 10 FTPO steps over at most 256 background rows, the
 plan's Fisher on the top 8 and 8 samples).
@@ -72,7 +73,10 @@ WORDS = (" than", " what", " end", " away", " version", " actually")
 KLD_DOMAINS = ("ops", "json", "prose")
 KEY_COL, BIAS_COL = 5, 40  # hh columns: the prefix key, the constant feature
 KEY, BIAS = 3.0, 2.0
-WORLD_VERSION = 3  # bump when the world's recipe changes: a cached world of another version is rebuilt
+# Events' base p reaches near-certain slop (real models put 0.99+ on a phrase's last word after its prefix): up to
+# 0.95 (world version 3) no event needed more than ~3 nats and FTPO converged at the real size in 40 steps.
+EVENT_P_MAX = 0.999
+WORLD_VERSION = 4  # bump when the world's recipe changes: a cached world of another version is rebuilt
 ROWS = 256  # rows per full-vocabulary logits block while fitting yr ([ROWS, V] f32: 254 MB at V = 248,320)
 
 
@@ -261,12 +265,12 @@ def fit_states(w, arrs: list[dict], events: list[np.ndarray], seed: int = 0, sam
         h = w.head[tg.to(w.head.device)].float().cpu()
         h = (h / h.norm(dim=1, keepdim=True)).numpy()  # [T, n]
         a["yr"] = (a["yr"] + rng.choice(calib, T)[:, None].astype(np.float32) * h).astype(np.float32)
-    # 3. event rows: bisection to p(final) ~ U(0.3, 0.95)
+    # 3. event rows: bisection to p(final) ~ U(0.3, EVENT_P_MAX)
     n_ev = sum(len(e) for e in events)
     err = 0.0
     if n_ev:
         rows = _rows(w, arrs, events)
-        goal = torch.from_numpy(np.log(rng.uniform(0.3, 0.95, n_ev))).float().to(w.head.device)
+        goal = torch.from_numpy(np.log(rng.uniform(0.3, EVENT_P_MAX, n_ev))).float().to(w.head.device)
         alpha = _bisect(w, rows, goal)
         err = float((_logp_rows(w, rows, alpha) - goal).abs().max())
         h = w.head[rows["tg"]]
@@ -497,7 +501,7 @@ def _event_p(report) -> dict | None:
     if report is None:
         return None
     p = np.asarray([e.p_base for e in report.events if e.set in ("train", "dev")], dtype=float)
-    return {"n": int(p.size), "p_ge_0.9": int((p >= 0.9).sum()), "p_ge_0.5": int((p >= 0.5).sum()),
+    return {"n": int(p.size), "p_ge_0.9": int((p >= 0.9).sum()), "p_ge_0.99": int((p >= 0.99).sum()), "p_ge_0.5": int((p >= 0.5).sum()),
             "max": float(p.max()) if p.size else None, "median": float(np.median(p)) if p.size else None}
 
 
@@ -603,7 +607,7 @@ def print_pipeline(r: dict, console) -> None:
     console.print(f"solve: {r['solve']}; load average {r['load_average'][0]:.1f}", highlight=False)
     ep, hp = r.get("event_p"), r.get("head_precision") or {}
     if ep:
-        console.print(f"train + dev events: {ep['n']}, base p ≥ 0.9: {ep['p_ge_0.9']}, ≥ 0.5: {ep['p_ge_0.5']} "
+        console.print(f"train + dev events: {ep['n']}, base p ≥ 0.9: {ep['p_ge_0.9']}, ≥ 0.99: {ep.get('p_ge_0.99')}, ≥ 0.5: {ep['p_ge_0.5']} "
                       f"(median {ep['median']:.3f}, max {ep['max']:.4f})", highlight=False)
     console.print(f"{r['method']}: {r['steps']} steps, stopped by {r['stop_reason']}; head precision "
                   f"{hp.get('precision')}", highlight=False)
