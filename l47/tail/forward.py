@@ -212,6 +212,12 @@ def streamed_lse(mix: torch.Tensor, w: TailWeights, chunk: int = DEFAULT_CHUNK) 
     return stream.streamed_lse(mix, w.head, w.numerics, chunk)
 
 
+def streamed_lse_without(mix: torch.Tensor, w: TailWeights, drop: torch.Tensor,
+                         chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Differentiable log-sum-exp [T] (f64) of each row's vocabulary without its ids drop [T, k]."""
+    return stream.streamed_lse_without(mix, w.head, drop, w.numerics, chunk)
+
+
 def streamed_kl(mix_new: torch.Tensor, mix_base: torch.Tensor, w: TailWeights,
                 chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Differentiable KL(base ‖ new) per position [T] over the full vocabulary (gradient to mix_new only)."""

@@ -290,13 +290,18 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = None, *, chunk: int = DEFAULT_CHUNK,
-                topk: int = 0, entropy: bool = False, pairs: int = 0, mu: bool = False) -> Streamed:
+                topk: int = 0, entropy: bool = False, pairs: int = 0, mu: bool = False,
+                drop: torch.Tensor | None = None) -> Streamed:
     """One pass over the head for the rows of mix [R, n]: lse always; top-k, entropy, KL of the row pairs
-    (rows i and pairs + i, `pairs` = R/2) and μ = E_p[W_out] on request. No grad. Never forms [R, V]."""
+    (rows i and pairs + i, `pairs` = R/2) and μ = E_p[W_out] on request. No grad. Never forms [R, V].
+    drop [R, k] token ids: each row's distribution without them (their logits −inf in the chunk they fall in; the
+    rest of a near-certain token's row is summed, not 1 − p): lse, top-k and μ only."""
     num = num or Numerics()
+    if drop is not None and (entropy or pairs):
+        raise ValueError("stream_head: drop serves lse, top-k and μ (entropy and pair KL need every token)")
     with torch.no_grad():
         check_precision(mix, head, num, chunk)
-        if not mu and not num.no_f64 and _fused_ok(mix, head, num.used):
+        if not mu and drop is None and not num.no_f64 and _fused_ok(mix, head, num.used):
             return _stream_fused(mix, head, num, chunk, topk, entropy, pairs)
         x_parts = split_parts(mix, num.used)
         acc = VocabAccumulator(mix.shape[0], mix.device, topk=topk, entropy=entropy, pairs=pairs,
@@ -306,7 +311,11 @@ def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = No
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
             out = zbuf[: mix.shape[0] * (hi - lo)].view(mix.shape[0], hi - lo)  # reused [R, C]
-            acc.update(head_logits(mix, head, lo, hi, num, x_parts, out), lo, head[lo:hi] if mu else None)
+            z = head_logits(mix, head, lo, hi, num, x_parts, out)
+            if drop is not None:
+                r, k = torch.nonzero((drop >= lo) & (drop < hi), as_tuple=True)
+                z[r, drop[r, k] - lo] = -math.inf
+            acc.update(z, lo, head[lo:hi] if mu else None)
         return acc.result()
 
 
@@ -367,19 +376,22 @@ def _cat_streamed(parts: list[Streamed], pairs: int) -> Streamed:
 
 
 class _StreamedLSE(torch.autograd.Function):
-    """lse(mix·W_outᵀ) [R]; backward ∂lse/∂mix = μ = E_p[W_out] (one more streamed pass)."""
+    """lse(mix·W_outᵀ) [R] (mix's dtype; f64 with `drop`), each row without its `drop` ids (None: every token); backward ∂lse/∂mix = μ =
+    E_p[W_out] over the same tokens (one more streamed pass), in mix's dtype."""
 
     @staticmethod
-    def forward(ctx, mix, head, num, chunk):
+    def forward(ctx, mix, head, num, chunk, drop):
         ctx.save_for_backward(mix, head)
-        ctx.num, ctx.chunk = num, chunk
-        return stream_head(mix.detach(), head, num, chunk=chunk).lse.to(mix.device, mix.dtype)
+        ctx.num, ctx.chunk, ctx.drop = num, chunk, drop
+        f64 = drop is not None and not (num is not None and num.no_f64)  # no float64 on an MPS device
+        return stream_head(mix.detach(), head, num, chunk=chunk, drop=drop).lse.to(
+            mix.device, torch.float64 if f64 else mix.dtype)
 
     @staticmethod
     def backward(ctx, g):
         mix, head = ctx.saved_tensors
-        mu = stream_head(mix.detach(), head, ctx.num, chunk=ctx.chunk, mu=True).mu.to(mix.device, mix.dtype)
-        return mu * g[:, None], None, None, None
+        mu = stream_head(mix.detach(), head, ctx.num, chunk=ctx.chunk, mu=True, drop=ctx.drop).mu
+        return mu.to(mix.device, mix.dtype) * g.to(mix.dtype)[:, None], None, None, None, None
 
 
 class _StreamedKL(torch.autograd.Function):
@@ -405,7 +417,14 @@ class _StreamedKL(torch.autograd.Function):
 def streamed_lse(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = None,
                  chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Differentiable log-sum-exp over the full vocabulary [R] (mix's dtype out, f64 inside)."""
-    return _StreamedLSE.apply(mix, head, num, chunk)
+    return _StreamedLSE.apply(mix, head, num, chunk, None)
+
+
+def streamed_lse_without(mix: torch.Tensor, head: torch.Tensor, drop: torch.Tensor, num: Numerics | None = None,
+                         chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Differentiable log Σ_{v ∉ drop_r} exp z_rv per row [R] (f64 out; mix's dtype where the device has no
+    float64): the rest of each row's vocabulary beside the ids drop [R, k]."""
+    return _StreamedLSE.apply(mix, head, num, chunk, drop)
 
 
 def streamed_kl(mix_new: torch.Tensor, mix_base: torch.Tensor, head: torch.Tensor, num: Numerics | None = None,

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, batch_cat, batch_mix, batch_rows, event_logps
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
-from l47.tail.forward import DEFAULT_CHUNK, head_chunk, head_stats, logits_at, logp_at, streamed_lse
+from l47.tail.forward import (DEFAULT_CHUNK, head_stats, logits_at, logp_at, streamed_lse,
+                              streamed_lse_without)
 from l47.tail.stream import stream_head
 
 
@@ -34,52 +35,12 @@ def log_odds(z_r: torch.Tensor, z_s: torch.Tensor, keep: torch.Tensor) -> torch.
     return z_r.double() - torch.logsumexp(z_s.double().masked_fill(~keep, neg), -1)
 
 
-class _LseWithout(torch.autograd.Function):
-    """log Σ_{v ∉ drop_t} exp z_tv per row [R] (f64 out), z = mix·W_outᵀ in the run's head precision, masked per
-    row in the same chunks the sum is taken over (no cancellation: the rest of a near-certain token's row is summed,
-    not 1 − p); backward ∂/∂mix = E_q[W_out] over the same rows (one more pass, f64). drop [R, k] token ids."""
-
-    @staticmethod
-    def forward(ctx, mix, w, drop, chunk):
-        ctx.save_for_backward(mix, drop)
-        ctx.w, ctx.chunk = w, chunk
-        m = torch.full((mix.shape[0],), -math.inf, dtype=torch.float64, device=mix.device)
-        s = torch.zeros_like(m)
-        for lo, z in _masked_chunks(mix.detach(), w, drop, chunk):  # z [R, C] f64, −inf at dropped ids
-            m_new = torch.maximum(m, z.max(1).values)
-            s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1)
-            m = m_new
-        lse = m + torch.log(s)
-        ctx.lse = lse
-        return lse
-
-    @staticmethod
-    def backward(ctx, g):
-        mix, drop = ctx.saved_tensors
-        w, lse = ctx.w, ctx.lse
-        mu = torch.zeros(mix.shape[0], w.head.shape[1], dtype=torch.float64, device=mix.device)  # [R, n]
-        for lo, z in _masked_chunks(mix.detach(), w, drop, ctx.chunk):
-            mu += torch.exp(z - lse[:, None]) @ w.head[lo: lo + z.shape[1]].double()
-        return (mu * g.double()[:, None]).to(mix.dtype), None, None, None
-
-
-def _masked_chunks(mix: torch.Tensor, w: TailWeights, drop: torch.Tensor, chunk: int):
-    """(lo, logits [R, C] f64 with −inf at each row's dropped ids) over the vocabulary in chunks."""
-    for lo in range(0, w.V, chunk):
-        hi = min(w.V, lo + chunk)
-        z = head_chunk(mix, w, lo, hi).double()  # [R, C]
-        inside = (drop >= lo) & (drop < hi)  # [R, k]
-        r, k = torch.nonzero(inside, as_tuple=True)
-        z[r, drop[r, k] - lo] = -math.inf
-        yield lo, z
-
-
 def vocab_log_odds(mix: torch.Tensor, w: TailWeights, r: torch.Tensor, special: torch.Tensor,
                    chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """o = z_r − log Σ_{v ∉ {r} ∪ special} exp z_v per row [R] (f64): the log-odds of r against every ordinary
     token (mass that leaves r for a special token is no progress: bar (f)). mix [R, n], r [R], special [ks]."""
     drop = torch.cat([r[:, None], special.to(r.device).expand(r.shape[0], -1)], 1)  # [R, 1 + ks]
-    return logits_at(mix, w, r[:, None])[:, 0].double() - _LseWithout.apply(mix, w, drop, chunk)
+    return logits_at(mix, w, r[:, None])[:, 0].double() - streamed_lse_without(mix, w, drop, chunk)
 
 
 def target_hinge(drop: torch.Tensor, need: torch.Tensor, tau: float) -> torch.Tensor:
