@@ -295,7 +295,8 @@ def stream_head(mix: torch.Tensor, head: torch.Tensor, num: Numerics | None = No
     """One pass over the head for the rows of mix [R, n]: lse always; top-k, entropy, KL of the row pairs
     (rows i and pairs + i, `pairs` = R/2) and μ = E_p[W_out] on request. No grad. Never forms [R, V].
     drop [R, k] token ids: each row's distribution without them (their logits −inf in the chunk they fall in; the
-    rest of a near-certain token's row is summed, not 1 − p): lse, top-k and μ only."""
+    rest of a near-certain token's row is summed, not 1 − p): lse, top-k and μ only. Many parameters because each
+    keyword asks one more reduction of the same pass (one accumulator, one pass over the head)."""
     num = num or Numerics()
     if drop is not None and (entropy or pairs):
         raise ValueError("stream_head: drop serves lse, top-k and μ (entropy and pair KL need every token)")
