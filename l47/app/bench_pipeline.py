@@ -501,8 +501,9 @@ def _event_p(report) -> dict | None:
     if report is None:
         return None
     p = np.asarray([e.p_base for e in report.events if e.set in ("train", "dev")], dtype=float)
-    return {"n": int(p.size), "p_ge_0.9": int((p >= 0.9).sum()), "p_ge_0.99": int((p >= 0.99).sum()), "p_ge_0.5": int((p >= 0.5).sum()),
-            "max": float(p.max()) if p.size else None, "median": float(np.median(p)) if p.size else None}
+    return {"n": int(p.size), "p_ge_0.9": int((p >= 0.9).sum()), "p_ge_0.99": int((p >= 0.99).sum()),
+            "p_ge_0.5": int((p >= 0.5).sum()), "max": float(p.max()) if p.size else None,
+            "median": float(np.median(p)) if p.size else None}
 
 
 def _steps(method: str, runs: Path, world: dict, exp: Path, device: str, res: dict, clock, seen: list):
@@ -607,8 +608,8 @@ def print_pipeline(r: dict, console) -> None:
     console.print(f"solve: {r['solve']}; load average {r['load_average'][0]:.1f}", highlight=False)
     ep, hp = r.get("event_p"), r.get("head_precision") or {}
     if ep:
-        console.print(f"train + dev events: {ep['n']}, base p ≥ 0.9: {ep['p_ge_0.9']}, ≥ 0.99: {ep.get('p_ge_0.99')}, ≥ 0.5: {ep['p_ge_0.5']} "
-                      f"(median {ep['median']:.3f}, max {ep['max']:.4f})", highlight=False)
+        console.print(f"train + dev events: {ep['n']}, base p ≥ 0.9: {ep['p_ge_0.9']}, ≥ 0.99: {ep.get('p_ge_0.99')}, "
+                      f"≥ 0.5: {ep['p_ge_0.5']} (median {ep['median']:.3f}, max {ep['max']:.4f})", highlight=False)
     console.print(f"{r['method']}: {r['steps']} steps, stopped by {r['stop_reason']}; head precision "
                   f"{hp.get('precision')}", highlight=False)
     st, est = r.get("ftpo_step"), r.get("estimate")

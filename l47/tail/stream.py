@@ -377,8 +377,8 @@ def _cat_streamed(parts: list[Streamed], pairs: int) -> Streamed:
 
 
 class _StreamedLSE(torch.autograd.Function):
-    """lse(mix·W_outᵀ) [R] (mix's dtype; f64 with `drop`), each row without its `drop` ids (None: every token); backward ∂lse/∂mix = μ =
-    E_p[W_out] over the same tokens (one more streamed pass), in mix's dtype."""
+    """lse(mix·W_outᵀ) [R] over each row's vocabulary without its `drop` ids (None: every token), in mix's dtype
+    (f64 with `drop`); backward ∂lse/∂mix = μ = E_p[W_out] over the same tokens (one more streamed pass)."""
 
     @staticmethod
     def forward(ctx, mix, head, num, chunk, drop):
