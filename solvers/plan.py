@@ -59,7 +59,7 @@ from l47.model.weights import TailWeights
 from l47.solvers.anchors import word_null_cost
 from l47.solvers.ftpo import at_target_residuals, needed_drop, removal_score
 from l47.solvers.ftpo.judge import _phrase_residuals
-from l47.solvers.batch import Batch, EventTerms, batch_mix, batch_rows, ys_grad_mix
+from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
 from l47.solvers.wfld import (WfldConfig, _dual_gram, _nnls_dual, anchor_basis, background_kl, eigen_metric,
                                span_share)
 from l47.tail.forward import head_stats, paired_stats
@@ -210,17 +210,6 @@ class PlanInputs:
     held_words: list[str] = field(default_factory=list)  # one label per held row (turn ends: names.IM_END)
     word_tol: float = 0.05  # |collateral_word_mean| (bar (d)): the soft anchors' tolerance per word
     end_tol: float = 0.005  # |im_end_dlogp| (bar (f)): the turn ends' tolerance
-    metric_rows: int = 0  # > 0: the metric (K-FAC Fisher) over at most this many background rows, evenly spread
-    # (WFLD's own Fisher sample, max_background); the edit's KL is still measured exactly on every row
-
-
-def spread_rows(b: Batch, cap: int) -> Batch:
-    """At most `cap` rows of b, evenly spread over it (every row when cap ≤ 0 or b holds no more). The metric's
-    cost grows with its rows (one backward through the tail per Fisher sample: 64 of them); on the demo, every one
-    of FTPO's 14,078 background rows cost 28 s of a 2-minute CPU solve, where WFLD's own Fisher uses 4,000."""
-    if cap <= 0 or b.P <= cap:
-        return b
-    return batch_rows(b, torch.as_tensor(np.linspace(0, b.P - 1, cap).round().astype(np.int64), device=b.hh.device))
 
 
 def base_p_intervals(rows: list[dict]) -> dict[str, dict]:
@@ -304,7 +293,7 @@ def _joint(w: TailWeights, inp: PlanInputs, B: torch.Tensor, cfg: WfldConfig, d_
     """The linearised problem in the metric's eigenbases (WFLD's machinery, at the base), its least-KL solution
     through the dual (NNLS) over the events not blocked by the anchors' span, and that ΔW's exact KL."""
     ev = inp.events
-    m = eigen_metric(spread_rows(inp.background, inp.metric_rows), w, w.W_sd, B, ev.hh, cfg, PLAN_RIDGE)
+    m = eigen_metric(inp.background, w, w.W_sd, B, ev.hh, cfg, PLAN_RIDGE)
     D = m.inverse_diag()  # [n, f'] (M = ρI + A'⊗G; ρ only keeps it invertible)
     Gh = _gap_grads(ev, inp.terms, w) @ m.UG  # [E, n]
     out = _Joint(K=_dual_gram(Gh, m.Hh, D, np.arange(ev.P)), tail_mass=m.tail_mass)  # K [E, E]

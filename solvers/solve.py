@@ -80,8 +80,7 @@ class SolveConfig:
         'form); --method overrides')})
     seed: int = knob(0, "the solve's seed")
     max_background: int = knob(
-        4000, "WFLD: background positions of its Fisher (evenly spread), and the plan's; FTPO uses every row "
-        '(solver.ftpo.kl_rows)', 1)
+        4000, 'WFLD: background positions of its Fisher (evenly spread); FTPO uses every row (solver.ftpo.kl_rows)', 1)
     max_anchors_per_word: int = knob(
         0, '> 0: protect at most this many collateral contexts per word; each exact anchor uses one direction of'
         ' the shared-expert width f, so keep anchors + events well below f')
@@ -297,7 +296,7 @@ def plan_inputs(problem: Problem) -> PlanInputs:
         [{"doc_sha256": e.doc_sha256, "phrase": e.phrase, "p_base": e.p_base} for e in sel.dev],
         dev_events=dev, dev_final=np.asarray([e.final for e in dev_ev], dtype=np.int64),
         dev_phrase=[e.phrase for e in dev_ev], held=held, held_words=held_words,
-        word_tol=abs(th.collateral_word_mean), end_tol=abs(th.im_end_dlogp), metric_rows=plan.cfg.max_background)
+        word_tol=abs(th.collateral_word_mean), end_tol=abs(th.im_end_dlogp))
 
 
 def describe_feasibility(fp) -> list[str]:
