@@ -60,6 +60,55 @@ def mix_from_ys(ys, R, inj, sgv, yr, w: TailWeights) -> torch.Tensor:
     return (gate * xn).mean(1)  # [T, n]
 
 
+@dataclass(frozen=True)
+class MixerVjp:
+    """The transposed Jacobian of `mix_from_ys` at fixed positions, as a linear map on cotangents:
+    u [T, n] -> uᵀ ∂mix/∂ys [T, n]. The equations' backward by hand, with every factor that does not
+    depend on u computed once (`mixer_vjp`): one application is ~10 passes over [T, hc, n] where autograd's
+    backward of the same graph is ~30, and many cotangents share one set of factors (the Fisher's 64 per
+    position, solvers/fisher.py). Derivation, k_c = σ(sgv)·2σ(inj_c/hc)/rms_c and x̂_c = R'_c / rms_c:
+        g_z_c  = u ⊙ xn_c ⊙ σ'(z_c) / hc                          z = W_oup · lo          [T, hc, n]
+        q      = ((flat(g_z) · W_oup) ⊙ silu'(a) / hc) · W_odown     a = W_odown · flat(xn) / hc   [T, hc·n]
+        v_c    = w_onorm_c ⊙ (σ(z_c) ⊙ u / hc + q_c)               (= w_onorm_c ⊙ ∂/∂xn_c)  [T, hc, n]
+        ∂/∂ys  = Σ_c k_c (v_c − x̂_c · mean_d(x̂_c ⊙ v_c))                                     [T, n]
+    Checked against autograd through `mix_from_ys` in f64 (tests/test_forward.py). f32 like the forward."""
+
+    xhat: torch.Tensor  # [T, hc, n]  x̂_c
+    cz: torch.Tensor  # [T, hc, n]    xn_c ⊙ σ'(z_c) / hc
+    gd: torch.Tensor  # [T, hc, n]    w_onorm_c ⊙ σ(z_c) / hc
+    k: torch.Tensor  # [T, hc]        k_c
+    sa: torch.Tensor  # [T, r]        silu'(a) / hc
+    odown_on: torch.Tensor  # [r, hc·n]  W_odown ⊙ flat(w_onorm)
+    oup: torch.Tensor  # [hc·n, r]
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        T, hc, n = self.xhat.shape
+        ue = u.unsqueeze(-2)  # [T, 1, n]
+        glo = (ue * self.cz).reshape(T, hc * n) @ self.oup  # [T, r]
+        v = torch.addcmul(((glo * self.sa) @ self.odown_on).reshape(T, hc, n), ue, self.gd)  # [T, hc, n]
+        m = torch.einsum("tcn,tcn->tc", self.xhat, v) / n  # [T, hc]
+        return torch.einsum("tc,tcn->tn", self.k, v) - torch.einsum("tc,tcn->tn", self.k * m, self.xhat)  # [T, n]
+
+
+def mixer_vjp(ys, R, inj, sgv, yr, w: TailWeights) -> MixerVjp:
+    """The factors of `MixerVjp` at ys [T, n] (the forward of `mix_from_ys`, kept where the backward reads it)."""
+    with torch.no_grad():
+        T = ys.shape[0]
+        bo = yr + torch.sigmoid(sgv)[:, None] * ys  # [T, n]
+        c = 2.0 * torch.sigmoid(inj / w.hc)  # [T, hc]
+        Rp = R + bo[:, None, :] * c[:, :, None]  # [T, hc, n]
+        irms = torch.rsqrt(Rp.pow(2).mean(-1, keepdim=True) + w.eps)  # [T, hc, 1]
+        xhat = Rp * irms  # [T, hc, n]
+        xn = xhat * w.onorm  # [T, hc, n]
+        a = (xn.reshape(T, w.hc * w.n) @ w.odown.T) / w.hc  # [T, r]
+        sa = torch.sigmoid(a)
+        gate = torch.sigmoid(F.silu(a) @ w.oup.T).reshape(T, w.hc, w.n)  # [T, hc, n]
+        return MixerVjp(xhat=xhat, cz=xn * gate * (1.0 - gate) / w.hc, gd=w.onorm * gate / w.hc,
+                        k=torch.sigmoid(sgv)[:, None] * c * irms[..., 0],
+                        sa=sa * (1.0 + a * (1.0 - sa)) / w.hc,  # silu'(a) = σ(a)(1 + a(1 − σ(a)))
+                        odown_on=w.odown * w.onorm.reshape(1, -1), oup=w.oup)
+
+
 def dump_tensors(dump, device) -> dict[str, torch.Tensor]:
     """The five state arrays of a dump as f32 tensors on `device`."""
     return {k: as_f32(getattr(dump, k), device) for k in ("R", "inj", "hh", "sgv", "yr")}
