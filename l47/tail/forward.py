@@ -51,27 +51,48 @@ def tail_mix(R, inj, hh, sgv, yr, w: TailWeights, W_sd: torch.Tensor | None = No
 def mix_from_ys(ys, R, inj, sgv, yr, w: TailWeights) -> torch.Tensor:
     """The rest of the tail from the shared expert's output ys = W·hh [T, n] to `mix` [T, n] (the solvers make ys
     a leaf to get ∂/∂ys of logit functionals). All f32."""
+    p = mixer_parts(ys, R, inj, sgv, yr, w)
+    return (p.gate * p.xn).mean(1)  # [T, n]
+
+
+@dataclass(frozen=True)
+class MixerParts:
+    """The output mixer's intermediate values at T positions (the equations in the module docstring). f32."""
+
+    c: torch.Tensor  # [T, hc]       2σ(inj_c / hc)
+    irms: torch.Tensor  # [T, hc, 1]  rsqrt(mean_d R'_c² + eps)
+    xhat: torch.Tensor  # [T, hc, n]  R'_c · irms_c
+    xn: torch.Tensor  # [T, hc, n]    x̂_c ⊙ w_onorm_c
+    a: torch.Tensor  # [T, r]         W_odown · flat(xn) / hc   (lo = silu(a))
+    gate: torch.Tensor  # [T, hc, n]  σ(W_oup · lo)
+
+
+def mixer_parts(ys, R, inj, sgv, yr, w: TailWeights) -> MixerParts:
+    """The output mixer from ys [T, n], step by step (`mix_from_ys` is their last line; `mixer_vjp` reads them)."""
     T = ys.shape[0]
     bo = yr + torch.sigmoid(sgv)[:, None] * ys  # [T, n]
-    Rp = R + bo[:, None, :] * (2.0 * torch.sigmoid(inj / w.hc))[:, :, None]  # [T, hc, n]
-    xn = Rp * torch.rsqrt(Rp.pow(2).mean(-1, keepdim=True) + w.eps) * w.onorm  # [T, hc, n]
-    lo = F.silu((xn.reshape(T, w.hc * w.n) @ w.odown.T) / w.hc)  # [T, r]
-    gate = torch.sigmoid(lo @ w.oup.T).reshape(T, w.hc, w.n)  # [T, hc, n]
-    return (gate * xn).mean(1)  # [T, n]
+    c = 2.0 * torch.sigmoid(inj / w.hc)  # [T, hc]
+    Rp = R + bo[:, None, :] * c[:, :, None]  # [T, hc, n]
+    irms = torch.rsqrt(Rp.pow(2).mean(-1, keepdim=True) + w.eps)  # [T, hc, 1]
+    xhat = Rp * irms  # [T, hc, n]
+    xn = xhat * w.onorm  # [T, hc, n]
+    a = (xn.reshape(T, w.hc * w.n) @ w.odown.T) / w.hc  # [T, r]
+    gate = torch.sigmoid(F.silu(a) @ w.oup.T).reshape(T, w.hc, w.n)  # [T, hc, n]
+    return MixerParts(c=c, irms=irms, xhat=xhat, xn=xn, a=a, gate=gate)
 
 
 @dataclass(frozen=True)
 class MixerVjp:
     """The transposed Jacobian of `mix_from_ys` at fixed positions, as a linear map on cotangents:
-    u [T, n] -> uᵀ ∂mix/∂ys [T, n]. The equations' backward by hand, with every factor that does not
-    depend on u computed once (`mixer_vjp`): one application is ~10 passes over [T, hc, n] where autograd's
-    backward of the same graph is ~30, and many cotangents share one set of factors (the Fisher's 64 per
-    position, solvers/fisher.py). Derivation, k_c = σ(sgv)·2σ(inj_c/hc)/rms_c and x̂_c = R'_c / rms_c:
-        g_z_c  = u ⊙ xn_c ⊙ σ'(z_c) / hc                          z = W_oup · lo          [T, hc, n]
-        q      = ((flat(g_z) · W_oup) ⊙ silu'(a) / hc) · W_odown     a = W_odown · flat(xn) / hc   [T, hc·n]
-        v_c    = w_onorm_c ⊙ (σ(z_c) ⊙ u / hc + q_c)               (= w_onorm_c ⊙ ∂/∂xn_c)  [T, hc, n]
-        ∂/∂ys  = Σ_c k_c (v_c − x̂_c · mean_d(x̂_c ⊙ v_c))                                     [T, n]
-    Checked against autograd through `mix_from_ys` in f64 (tests/test_forward.py). f32 like the forward."""
+    u [T, n] -> uᵀ ∂mix/∂ys [T, n]. The equations' backward by hand, with every factor that does not depend on u
+    computed once (`mixer_vjp`): an application is ~10 passes over [T, hc, n] where autograd's backward of the
+    same graph is ~30 (2.9× faster on the demo's background, docs/BENCHMARKS.md), and the Fisher's 64 cotangents
+    per position share one set of factors (solvers/fisher.py). With k_c = σ(sgv)·2σ(inj_c/hc)/rms_c:
+        g_z_c  = u ⊙ xn_c ⊙ σ'(z_c) / hc                          z = W_oup · lo                 [T, hc, n]
+        q      = ((flat(g_z) · W_oup) ⊙ silu'(a) / hc) · W_odown                                   [T, hc·n]
+        v_c    = w_onorm_c ⊙ (σ(z_c) ⊙ u / hc + q_c)               (= w_onorm_c ⊙ ∂/∂xn_c)        [T, hc, n]
+        ∂/∂ys  = Σ_c k_c (v_c − x̂_c · mean_d(x̂_c ⊙ v_c))                                          [T, n]
+    Checked against central differences of the f64 forward (tests/test_forward.py). f32 like the forward."""
 
     xhat: torch.Tensor  # [T, hc, n]  x̂_c
     cz: torch.Tensor  # [T, hc, n]    xn_c ⊙ σ'(z_c) / hc
@@ -91,21 +112,13 @@ class MixerVjp:
 
 
 def mixer_vjp(ys, R, inj, sgv, yr, w: TailWeights) -> MixerVjp:
-    """The factors of `MixerVjp` at ys [T, n] (the forward of `mix_from_ys`, kept where the backward reads it)."""
+    """The factors of `MixerVjp` at ys [T, n] (the mixer's parts, without autograd)."""
     with torch.no_grad():
-        T = ys.shape[0]
-        bo = yr + torch.sigmoid(sgv)[:, None] * ys  # [T, n]
-        c = 2.0 * torch.sigmoid(inj / w.hc)  # [T, hc]
-        Rp = R + bo[:, None, :] * c[:, :, None]  # [T, hc, n]
-        irms = torch.rsqrt(Rp.pow(2).mean(-1, keepdim=True) + w.eps)  # [T, hc, 1]
-        xhat = Rp * irms  # [T, hc, n]
-        xn = xhat * w.onorm  # [T, hc, n]
-        a = (xn.reshape(T, w.hc * w.n) @ w.odown.T) / w.hc  # [T, r]
-        sa = torch.sigmoid(a)
-        gate = torch.sigmoid(F.silu(a) @ w.oup.T).reshape(T, w.hc, w.n)  # [T, hc, n]
-        return MixerVjp(xhat=xhat, cz=xn * gate * (1.0 - gate) / w.hc, gd=w.onorm * gate / w.hc,
-                        k=torch.sigmoid(sgv)[:, None] * c * irms[..., 0],
-                        sa=sa * (1.0 + a * (1.0 - sa)) / w.hc,  # silu'(a) = σ(a)(1 + a(1 − σ(a)))
+        p = mixer_parts(ys, R, inj, sgv, yr, w)
+        sa = torch.sigmoid(p.a)  # [T, r]
+        return MixerVjp(xhat=p.xhat, cz=p.xn * p.gate * (1.0 - p.gate) / w.hc, gd=w.onorm * p.gate / w.hc,
+                        k=torch.sigmoid(sgv)[:, None] * p.c * p.irms[..., 0],
+                        sa=sa * (1.0 + p.a * (1.0 - sa)) / w.hc,  # silu'(a) = σ(a)(1 + a(1 − σ(a)))
                         odown_on=w.odown * w.onorm.reshape(1, -1), oup=w.oup)
 
 
