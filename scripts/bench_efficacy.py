@@ -312,8 +312,13 @@ PLAN_AGREES = (0.5, 2.0)  # issue 37 item 4: the solver's residual within 2× of
 
 def plan_vs_solver(results: dict) -> list[dict]:
     """Every (model, method, phrase) where the plan and the solver disagree: the plan says reachable (its edit's
-    residual ≤ the target) and the solver falls short (its at-target residual > the target), or the ratio
-    solver / plan is outside PLAN_AGREES. Rows {model, method, phrase, target, plan, solver, ratio, binding, why}."""
+    residual ≤ the target) and the solver falls short (its at-target residual > the target), or the ratio of the
+    two, each read as max(residual, target), is outside PLAN_AGREES. Why the floor at the target: the plan's edit
+    aims each event at the target and stops there, the solver's steps overshoot it (zoo seed 44868: plan 0.198 and
+    0.189 at the target, solver 0.041 and 0.039), so below the target the two figures measure how far past it each
+    went, not whether the plan predicted the phrase; a plan short of the target is still compared with the solver
+    (plan 0.5, solver 0.1: 0.2 / 0.5, listed). Rows {model, method, phrase, target, plan, solver, ratio (solver /
+    plan, unfloored; None when the plan's edit removed every bit of p), binding, why}."""
     out = []
     lo, hi = PLAN_AGREES
     for name, r in results.get("models", {}).items():
@@ -323,12 +328,12 @@ def plan_vs_solver(results: dict) -> list[dict]:
                 pr, sr = x.get("edit_residual"), solver.get(ph)
                 if pr is None or sr is None or t is None:
                     continue
-                ratio = sr / pr if pr > 0 else None  # None: the plan's edit removed every bit of p
+                ratio = sr / pr if pr > 0 else None
                 why = []
                 if pr <= t < sr:
                     why.append("plan reachable, solver short")
-                if ratio is None or not lo <= ratio <= hi:
-                    why.append(f"solver/plan outside [{lo:g}, {hi:g}]")
+                if not lo <= max(sr, t) / max(pr, t) <= hi:
+                    why.append(f"solver/plan (each at least the target) outside [{lo:g}, {hi:g}]")
                 if why:
                     out.append({"model": name, "method": mn, "phrase": ph, "target": t, "plan": pr, "solver": sr,
                                 "ratio": ratio, "binding": x.get("binding"), "why": "; ".join(why)})
@@ -581,7 +586,7 @@ def markdown(results: dict) -> str:
     rows = plan_vs_solver(results)
     lines += ["## plan vs solver", "", "Every phrase where `l47 plan`'s edit reaches the target and the solver falls "
               "short, or the solver's residual (the larger of dev and train) is not within 2× of the plan's edit "
-              "residual: a bug in one of them (issue 37 item 4).", ""]
+              "residual, each read as at least the target: a bug in one of them (issue 37 item 4).", ""]
     if rows:
         lines += ["| model | method | phrase | target | plan | solver | solver/plan | plan binding | why |",
                   "|---|---|---|---|---|---|---|---|---|"]

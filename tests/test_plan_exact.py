@@ -318,22 +318,28 @@ def _method(plan: dict, solver: dict, target=0.2) -> dict:
 
 def test_bench_lists_every_disagreement_between_plan_and_solver():
     """Numbers in, rows out: a phrase is listed when the plan reaches the target and the solver does not, or the
-    ratio solver / plan is outside [1/2, 2]; agreeing phrases and phrases without a solver figure are not."""
+    ratio solver / plan, each read as at least the target, is outside [1/2, 2]; agreeing phrases (both at or
+    below the target, however far) and phrases without a solver figure are not."""
     be = _bench()
     res = {"models": {
-        "zoo5": {"methods": {"ftpo": _method({"a": 0.10, "b": 0.15, "c": 0.50, "d": 0.05, "e": 0.1, "f": 0.3},
-                                             {"a": 0.15, "b": 0.25, "c": 0.10, "d": 0.30, "f": 0.5})}},
+        "zoo5": {"methods": {"ftpo": _method({"a": 0.10, "b": 0.15, "c": 0.50, "d": 0.05, "e": 0.1, "f": 0.3,
+                                              "g": 0.19, "h": 0.5},
+                                             {"a": 0.15, "b": 0.25, "c": 0.10, "d": 0.45, "f": 0.5, "g": 0.02,
+                                              "h": 0.21})}},
         "demo": {"methods": {"wfld": _method({"a": 0.1}, {"a": 0.1}), "ftpo": {"solve_error": "refused"}}},
         "bad": {"failed": {"command": "x", "error": "y"}}}}
     rows = be.plan_vs_solver(res)
     got = {(r["model"], r["method"], r["phrase"]): r for r in rows}
-    assert set(got) == {("zoo5", "ftpo", "b"), ("zoo5", "ftpo", "c"), ("zoo5", "ftpo", "d")}
-    b, c, d = (got[("zoo5", "ftpo", x)] for x in "bcd")
+    assert set(got) == {("zoo5", "ftpo", "b"), ("zoo5", "ftpo", "c"), ("zoo5", "ftpo", "d"), ("zoo5", "ftpo", "h")}
+    b, c, d, h = (got[("zoo5", "ftpo", x)] for x in "bcdh")
     assert b["why"] == "plan reachable, solver short" and b["ratio"] == pytest.approx(0.25 / 0.15, rel=1e-12)
-    assert c["why"] == "solver/plan outside [0.5, 2]" and c["ratio"] == pytest.approx(0.2, rel=1e-12)
-    assert d["why"] == "plan reachable, solver short; solver/plan outside [0.5, 2]" and d["ratio"] == pytest.approx(6.0)
-    assert (d["plan"], d["solver"], d["target"], d["binding"]) == (0.05, 0.30, 0.2, "none")
-    # f: plan 0.3 (short) and solver 0.5: both above the target, ratio 1.67 — agreeing, not listed
+    outside = "solver/plan (each at least the target) outside [0.5, 2]"
+    assert c["why"] == outside and c["ratio"] == pytest.approx(0.2, rel=1e-12)  # 0.2 / 0.5 = 0.4 floored
+    assert d["why"] == "plan reachable, solver short; " + outside and d["ratio"] == pytest.approx(9.0)  # 0.45 / 0.2
+    assert (d["plan"], d["solver"], d["target"], d["binding"]) == (0.05, 0.45, 0.2, "none")
+    assert h["why"] == outside and h["ratio"] == pytest.approx(0.42)  # 0.21 / 0.5
+    # f: plan 0.3 (short) and solver 0.5: both above the target, ratio 1.67 — agreeing, not listed;
+    # g: plan 0.19, solver 0.02: both at or below the target (raw ratio 0.105) — agreeing, not listed
 
 
 def test_bench_solver_residual_is_the_at_target_rule():
