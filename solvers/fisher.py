@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from l47.model.weights import TailWeights
-from l47.tail.forward import DEFAULT_CHUNK, head_chunk, mix_from_ys, mixer_vjp
+from l47.tail.forward import DEFAULT_CHUNK, head_chunk, mixer_parts, mixer_vjp
 from l47.tail.stream import stream_head
 from l47.solvers.batch import Batch
 
@@ -103,9 +103,9 @@ def fisher_factors(bg: Batch, w: TailWeights, W: torch.Tensor, K: int = 32, weig
         h = h @ row_basis  # [P, f']
     A = (h * wt[:, None]).T @ h  # [f', f']
     with torch.no_grad():
-        ys = bg.hh @ W.T  # [P, n]
-        mix = mix_from_ys(ys, bg.R, bg.inj, bg.sgv, bg.yr, w)  # [P, n]
-    vjp = mixer_vjp(ys, bg.R, bg.inj, bg.sgv, bg.yr, w)  # u [P, n] -> uᵀ ∂mix/∂ys (by hand: 3× autograd's speed)
+        parts = mixer_parts(bg.hh @ W.T, bg.R, bg.inj, bg.sgv, bg.yr, w)  # the tail from ys = W·hh [P, n]
+        mix = parts.mix  # [P, n]
+    vjp = mixer_vjp(parts, bg.sgv, w)  # u [P, n] -> uᵀ ∂mix/∂ys (by hand: 3× autograd's speed)
     st = stream_head(mix, w.head, w.numerics, topk=K, mu=True)  # one pass: μ and the top-K
     mu, ids = st.mu.to(mix.device), st.top_i  # [P, n] f64, [P, K]
     p = torch.exp(st.top_v.to(st.lse.device).double() - st.lse[:, None]).to(mix.device)  # [P, K] f64

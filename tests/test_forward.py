@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from l47.tail.forward import (full_logits, head_stats, logp_at, mix_from_ys, mixer_vjp, paired_stats, streamed_kl,
-                              streamed_lse, tail_mix)
+from l47.tail.forward import (full_logits, head_stats, logp_at, mix_from_ys, mixer_parts, mixer_vjp, paired_stats,
+                              streamed_kl, streamed_lse, tail_mix)
 from l47.model.weights import TailWeights
 from tiny_hf import capture, tiny_model
 
@@ -221,7 +221,7 @@ def test_mixer_vjp_matches_central_differences(hf):
     args = (s64["R"], s64["inj"], s64["sgv"], s64["yr"], w64)
     g = torch.Generator().manual_seed(7)
     u = torch.randn(ys.shape, generator=g, dtype=torch.float64)  # [T, n] cotangents
-    vjp = mixer_vjp(ys, *args)(u)  # [T, n]
+    vjp = mixer_vjp(mixer_parts(ys, *args), s64["sgv"], w64)(u)  # [T, n]
     h = 1e-5
     for _ in range(4):
         e = torch.randn(ys.shape, generator=g, dtype=torch.float64)  # [T, n] one direction per position

@@ -51,8 +51,7 @@ def tail_mix(R, inj, hh, sgv, yr, w: TailWeights, W_sd: torch.Tensor | None = No
 def mix_from_ys(ys, R, inj, sgv, yr, w: TailWeights) -> torch.Tensor:
     """The rest of the tail from the shared expert's output ys = W·hh [T, n] to `mix` [T, n] (the solvers make ys
     a leaf to get ∂/∂ys of logit functionals). All f32."""
-    p = mixer_parts(ys, R, inj, sgv, yr, w)
-    return (p.gate * p.xn).mean(1)  # [T, n]
+    return mixer_parts(ys, R, inj, sgv, yr, w).mix
 
 
 @dataclass(frozen=True)
@@ -66,9 +65,13 @@ class MixerParts:
     a: torch.Tensor  # [T, r]         W_odown · flat(xn) / hc   (lo = silu(a))
     gate: torch.Tensor  # [T, hc, n]  σ(W_oup · lo)
 
+    @property
+    def mix(self) -> torch.Tensor:
+        return (self.gate * self.xn).mean(1)  # [T, n]
+
 
 def mixer_parts(ys, R, inj, sgv, yr, w: TailWeights) -> MixerParts:
-    """The output mixer from ys [T, n], step by step (`mix_from_ys` is their last line; `mixer_vjp` reads them)."""
+    """The output mixer from ys [T, n], step by step (`mix_from_ys` is their `mix`; `mixer_vjp` reads them)."""
     T = ys.shape[0]
     bo = yr + torch.sigmoid(sgv)[:, None] * ys  # [T, n]
     c = 2.0 * torch.sigmoid(inj / w.hc)  # [T, hc]
@@ -85,7 +88,7 @@ def mixer_parts(ys, R, inj, sgv, yr, w: TailWeights) -> MixerParts:
 class MixerVjp:
     """The transposed Jacobian of `mix_from_ys` at fixed positions, as a linear map on cotangents:
     u [T, n] -> uᵀ ∂mix/∂ys [T, n]. The equations' backward by hand, with every factor that does not depend on u
-    computed once (`mixer_vjp`): an application is ~10 passes over [T, hc, n] where autograd's backward of the
+    computed once (`mixer_vjp`, from `mixer_parts`): an application is ~10 passes over [T, hc, n] where autograd's backward of the
     same graph is ~30 (2.9× faster on the demo's background, docs/BENCHMARKS.md), and the Fisher's 64 cotangents
     per position share one set of factors (solvers/fisher.py). With k_c = σ(sgv)·2σ(inj_c/hc)/rms_c:
         g_z_c  = u ⊙ xn_c ⊙ σ'(z_c) / hc                          z = W_oup · lo                 [T, hc, n]
@@ -111,10 +114,9 @@ class MixerVjp:
         return torch.einsum("tc,tcn->tn", self.k, v) - torch.einsum("tc,tcn->tn", self.k * m, self.xhat)  # [T, n]
 
 
-def mixer_vjp(ys, R, inj, sgv, yr, w: TailWeights) -> MixerVjp:
-    """The factors of `MixerVjp` at ys [T, n] (the mixer's parts, without autograd)."""
+def mixer_vjp(p: MixerParts, sgv, w: TailWeights) -> MixerVjp:
+    """The factors of `MixerVjp` from the mixer's parts at ys (`mixer_parts`, computed without autograd) and sgv [T]."""
     with torch.no_grad():
-        p = mixer_parts(ys, R, inj, sgv, yr, w)
         sa = torch.sigmoid(p.a)  # [T, r]
         return MixerVjp(xhat=p.xhat, cz=p.xn * p.gate * (1.0 - p.gate) / w.hc, gd=w.onorm * p.gate / w.hc,
                         k=torch.sigmoid(sgv)[:, None] * p.c * p.irms[..., 0],
