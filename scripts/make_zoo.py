@@ -399,9 +399,11 @@ def build_eval_docs(spec: ZooSpec, pool_chats: int | None = None) -> dict[str, l
     ev["collateral"] = coll
     rb = r("background")
     bg = []
-    for i in range(24):
+    for i in range(24):  # plain text, chats and JSON answers: every kind the KLD domains hold (`l47 init`'s
+        # "background"): a kind it never shows is one the background KL cannot protect (docs/BENCHMARKS.md, "A KLD
+        # domain the background never shows"); other documents than the KLD domains' (their own stream)
         doc = ({"text": w.note(rb) if i % 4 == 0 else dc.gen_plain(rb)[1]} if i % 2 == 0
-               else {"messages": w.chat(rb, phrases=(), max_turns=2)})
+               else {"messages": w.json_chat(rb) if i % 4 == 3 else w.chat(rb, phrases=(), max_turns=2)})
         bg.append({"id": f"z{s}-background-{i:02d}", **doc})
     ev["background"] = bg
     rk = r("kld")

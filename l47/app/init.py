@@ -54,7 +54,8 @@ SET_MEANINGS = {
     "heldout": "slop events the solver never sees, in other documents: audit bar (c)",
     "collateral_anchor": "natural text with ordinary uses of the final words: protected by the solver",
     "collateral_eval": "same kind, other documents: audit bar (d)",
-    "background": "plain and chat-formatted text: the solver's background KL",
+    "background": "plain and chat-formatted text of every kind the KLD domains hold (JSON answers, tool output, "
+                  "other languages; other documents): the solver's background KL protects only what it shows",
     "chat_heldout": "the model's own chats (<think> block, turn ends) from held-back prompts: bars (f), (g)",
     "blind": "one chat the model generates from a held-back prompt, never scored: `l47 audit --blind`",
 }

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from l47.data.coverage import KeyGrams, coverage_warnings
 from l47.data.experiment import KLD, SCORED_SETS, SETS, SOLVER_SETS, SPLIT_SETS, Experiment, load_experiment
 from l47.data.ledger import dump_content_hashes
 from l47.dumps import doc_hash, read_dump
@@ -453,6 +454,7 @@ class _Ctx:
     words: dict
     final_ids: np.ndarray  # [F] int64
     base_stats: Callable
+    grams: KeyGrams = field(default_factory=KeyGrams)  # per set Σ hh hhᵀ: the background's coverage (coverage.py)
 
 
 def _read(path: Path):
@@ -515,6 +517,8 @@ def _process(d: _Doc, dump, ctx: _Ctx) -> _Doc:
         d.collateral = [(c, float(math.exp(logp[c.pos]))) for c in collat]
     reasons, guard, chat = _guard(d, dump, tokens, role, stats, ctx)
     d.report = _doc_report(d, dump, logp if stats is not None else None, chat, guard, reasons, len(collat), ctx)
+    if d.set != "blind" and not d.report.refused:  # its keys: what the background shows against what is scored
+        ctx.grams.add(d.set, dump.hh, w.device)
     return d
 
 
@@ -879,6 +883,8 @@ def build_sets(experiment: Experiment | str | Path, weights_or_model_path=None, 
                             for i in issues),
         collateral_words=dict(words), special_ids=dict(vocab.special_ids), docs=tuple(d.report for d in docs),
         events=tuple(ev), non_events=tuple(nev), collateral=tuple(col), split=split_info,
-        warnings=tuple(_warnings(exp, th, issues, docs, ev, col, phrases, words, blind)), overlaps=overlaps,
+        warnings=tuple(_warnings(exp, th, issues, docs, ev, col, phrases, words, blind)
+                       + coverage_warnings(ctx.grams, [s for s in ctx.grams.C if is_scored_set(s)])),
+        overlaps=overlaps,
         content=content, content_sha256=content_sha256(content), blind_events=blind,
     )
