@@ -295,3 +295,67 @@ def logp_at(mix: torch.Tensor, w: TailWeights, ids, chunk: int = DEFAULT_CHUNK) 
     z = logits_at(mix, w, ids[:, None] if squeeze else ids)  # [T, k]
     lp = z - streamed_lse(mix, w, chunk)[:, None]
     return lp[:, 0] if squeeze else lp
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the KL against fixed base rows in one pass over the new rows
+
+
+@dataclass(frozen=True)
+class KlReference:
+    """What KL(p⁰ ‖ p) at fixed base rows needs of them, computed once (`kl_reference`): the logits are linear in
+    the mixer output, z = W_out · x, so with μ⁰ = E_p⁰[W_out]
+        KL(p⁰ ‖ p) = Σ_v p⁰_v (z⁰_v − z_v) + lse(z) − lse(z⁰) = lse(x) − lse⁰ − μ⁰·(x − x⁰)
+    and a later KL is one lse pass over the new rows (`kl_against`), not a pass over base + new rows."""
+
+    mix0: torch.Tensor  # [R, n] f32  x⁰
+    lse0: torch.Tensor  # [R] f64     lse(W_out x⁰) by the plain pass (`stream_head` without μ: the fused kernel on CUDA)
+    mu0: torch.Tensor  # [R, n] f64   E_p⁰[W_out]
+
+
+def kl_from(lse: torch.Tensor, mix: torch.Tensor, lse0: torch.Tensor, mix0: torch.Tensor,
+            mu0: torch.Tensor) -> torch.Tensor:
+    """lse − lse⁰ − μ⁰·(x − x⁰) per row [R] (f64; the difference x − x⁰ first, in f64, so nothing of O(|z|)
+    is subtracted but the two lse's). Differentiable in lse and mix (∂/∂mix = −μ⁰ + ∂lse/∂mix = μ − μ⁰).
+    lse, lse0 [R]; mix, mix0 [R, n]; mu0 [R, n]."""
+    dx = mix.double() - mix0.double()  # [R, n] f64
+    return lse.double() - lse0 - (mu0 * dx).sum(1)  # [R]
+
+
+@torch.no_grad()
+def kl_reference(mix0: torch.Tensor, w: TailWeights, *, mu0: torch.Tensor | None = None,
+                 topk: int = 0) -> tuple[KlReference, Streamed]:
+    """(KlReference of the base rows mix0 [R, n], the plain pass's Streamed with top-`topk`). μ⁰: one μ pass
+    (or the caller's `mu0` [R, n] f64 of the same rows); lse⁰: the plain pass, the code path the new rows' lse
+    takes in `kl_against`, so that the two lse's round alike (on CUDA the μ pass is not the fused kernel)."""
+    if mu0 is None:
+        mu0 = stream_head(mix0, w.head, w.numerics, mu=True).mu  # [R, n] f64
+    st = stream_head(mix0, w.head, w.numerics, topk=topk)  # [R] lse⁰ f64
+    return KlReference(mix0=mix0, lse0=st.lse.to(mu0.device), mu0=mu0), st
+
+
+@torch.no_grad()
+def kl_against(ref: KlReference, mix: torch.Tensor, w: TailWeights, topk: int = 0) -> tuple[torch.Tensor, Streamed]:
+    """(KL(p⁰ ‖ p) per row [R] f64, not clamped; the Streamed of the new rows with top-`topk`) for new rows mix
+    [R, n] against `ref`'s base rows, by `kl_from` (KlReference's identity): one streamed lse pass over R rows,
+    half the head GEMM of the pair pass (`streamed_kl`) over 2R.
+
+    Precision (tests/test_kl_reference.py, against the f64 full softmax): the pair pass's logit rounding δ cancels
+    to Σ(p − p⁰)δ (both rows' logits enter its A and its lse), here it does not: the error is the two f32 lse's
+    own, Σ_v p_v δ_v − Σ_v p⁰_v δ⁰_v, ~ε₃₂·|z| per row. On the demo solve's background (14,078 rows, lse ≈ 14,
+    six of its evaluations, KL 8e-6..3e-4): per row max 1.0e-5, mean |error| 1.55e-6 nats (the pair pass's max
+    1.4e-6); their mean, what the judge compares with the budget, −8.2e-8..+1.4e-8 (the pair pass's ≤ 2.3e-10):
+    ~3e-5 of a 2.5e-3 budget, 0.5 % of a KL of 8e-6."""
+    st = stream_head(mix, w.head, w.numerics, topk=topk)  # [R] lse f64
+    dev = ref.mu0.device  # where the f64 sums live (the CPU when the device has no float64)
+    lse = st.lse.to(dev)
+    kl = torch.cat([kl_from(lse[i:j], mix[i:j].to(dev), ref.lse0[i:j], ref.mix0[i:j].to(dev), ref.mu0[i:j])
+                    for i, j in _blocks(mix.shape[0], KL_ROW_BLOCK)])  # [R] f64; [block, n] f64 temporaries
+    return kl, st
+
+
+KL_ROW_BLOCK = 8192  # rows per f64 [block, n] temporary of kl_against (the judge's background: 52k rows at real size)
+
+
+def _blocks(R: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(R, i + step)) for i in range(0, max(R, 1), step)]

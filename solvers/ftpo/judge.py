@@ -14,7 +14,7 @@ from l47.model.weights import TailWeights
 from l47.solvers.batch import batch_mix, batch_rows
 from l47.solvers.ftpo.config import FtpoProblem
 from l47.solvers.ftpo.objective import _Objective
-from l47.tail.forward import head_stats, streamed_kl
+from l47.tail.forward import head_stats, kl_against, kl_reference
 from l47.tail.stream import stream_head
 
 
@@ -81,7 +81,9 @@ BIND_ENDS = "bar (f) turn ends"  # a real turn end lost its argmax (dev rows or 
 
 class _Judge:
     """Every `eval_every` steps: the candidate re-quantised as shipped and measured EXACTLY (mean KL over the
-    whole background, train and dev residual per phrase); keeps the best candidate within the budget."""
+    whole background, train and dev residual per phrase); keeps the best candidate within the budget. The KLs
+    (background, dev rows) are `kl_against` a KlReference of the base rows built once: one lse pass over the
+    candidate's rows, not a pair pass over base + candidate (l47.tail.forward, its precision there)."""
 
     def __init__(self, w: TailWeights, pb: FtpoProblem, obj: _Objective):
         self.w, self.pb, self.obj = w, pb, obj
@@ -91,17 +93,17 @@ class _Judge:
                 self.dev_p0 = np.exp(head_stats(batch_mix(pb.dev, w), w, pb.dev_final.cpu().numpy()).logp_target)
         self.best = None  # (key, step, dW, kl, dev_res, train_res)
         self.special = pb.terms.special.to(w.device)
+        self.ref_bg = obj.ref_bg  # the background's KlReference (the objective's step KL shares it)
         if pb.dev_rows is not None:
-            with torch.no_grad():
-                self.mix0_dev = batch_mix(pb.dev_rows, w)  # [D, n]
-                self.arg0_dev = stream_head(self.mix0_dev, w.head, w.numerics, topk=1).top_i[:, 0].to(w.device)  # [D]
+            self.ref_dev, st0 = kl_reference(batch_mix(pb.dev_rows, w), w, topk=1)  # [D] rows
+            self.arg0_dev = st0.top_i[:, 0].to(w.device)  # [D]
         self.ends = _TurnEnds(w, pb, self.arg0_dev if pb.dev_rows is not None else None)
 
     def __call__(self, step: int, dW: torch.Tensor, lam: float) -> dict:
         w, pb, t = self.w, self.pb, self.pb.target_residual
         with torch.no_grad():
             Wq = pb.shipped(dW) if pb.shipped is not None else w.W_sd + dW
-            kl = float(streamed_kl(batch_mix(pb.background, w, W_sd=Wq), self.obj.mix0_bg, w).double().mean())
+            kl = float(kl_against(self.ref_bg, batch_mix(pb.background, w, W_sd=Wq), w)[0].mean())
             p1 = np.exp(head_stats(batch_mix(pb.events, w, W_sd=Wq), w, pb.terms.rejected.cpu().numpy()).logp_target)
             tr = _phrase_residuals(self.obj.p0_ev, p1, pb.phrase)
             self.ratio_ev = p1 / np.maximum(self.obj.p0_ev, 1e-300)  # [E] each train event's own residual
@@ -137,12 +139,10 @@ class _Judge:
         pb, w = self.pb, self.w
         if pb.dev_rows is None:
             return None, 0, None, {}, None
-        mix = batch_mix(pb.dev_rows, w, W_sd=Wq)  # [D, n]
-        st = stream_head(torch.cat([self.mix0_dev, mix]), w.head, w.numerics, topk=1, pairs=mix.shape[0])  # one pass
-        kl = float(st.kl.double().mean())
-        arg = st.top_i[mix.shape[0]:, 0].to(w.device)  # [D]
+        kl, st = kl_against(self.ref_dev, batch_mix(pb.dev_rows, w, W_sd=Wq), w, topk=1)  # [D] f64, one pass
+        arg = st.top_i[:, 0].to(w.device)  # [D]
         flips = int((torch.isin(arg, self.special) & ~torch.isin(self.arg0_dev, self.special)).sum())
-        return kl, flips, arg, _by_role(st.kl.double(), pb.dev_rows.role), _ratio_upper(st.kl, pb.dev_rows.doc)
+        return float(kl.mean()), flips, arg, _by_role(kl, pb.dev_rows.role), _ratio_upper(kl, pb.dev_rows.doc)
 
 
 def _ratio_upper(kl: torch.Tensor, doc: tuple[str, ...]) -> float | None:

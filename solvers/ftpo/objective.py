@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from l47.model.weights import TailWeights
 from l47.solvers.batch import Batch, batch_cat, batch_mix, batch_rows, event_logps
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
-from l47.tail.forward import (DEFAULT_CHUNK, head_stats, logits_at, logp_at, streamed_lse,
+from l47.tail.forward import (DEFAULT_CHUNK, head_stats, kl_from, kl_reference, logits_at, logp_at, streamed_lse,
                               streamed_lse_without)
 from l47.tail.stream import stream_head
 
@@ -200,10 +200,10 @@ class _Objective:
             self.need = torch.as_tensor(needed_drop(self.p0_ev, cfg.aim * pb.target_residual), device=dev_)  # [E]
             self.mass0_special = self.base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
             self.mix0_bg = batch_mix(pb.background, w)  # [B, n]
-            st = stream_head(self.mix0_bg, w.head, w.numerics, entropy=True, mu=True)
+            st = stream_head(self.mix0_bg, w.head, w.numerics, mu=True)
             self.mu0_bg = st.mu.to(dev_)  # [B, n] f64  E_p⁰[W_out]: the step's KL needs one pass, not four
-            self.negH0_bg = -st.entropy.to(dev_)  # [B] f64  Σ p⁰ log p⁰
             self.lse0_bg = st.lse.to(dev_)  # [B] f64
+            self.ref_bg = kl_reference(self.mix0_bg, w, mu0=self.mu0_bg)[0]  # the step's and the judge's KL
             self.lm0_special = (self._log_special_mass(self.mix0_bg, self.lse0_bg)
                                 if self.special.numel() else None)  # [B]
             self.pe_rows, self.lp0_pe, self.notes = self._plausible_ends(w, pb, cfg)
@@ -296,10 +296,13 @@ class _Objective:
         return torch.logsumexp(logits_at(mix, self.w, ids), 1).double() - lse
 
     def step_kl(self, mix: torch.Tensor, rows: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """KL(p⁰ ‖ p) per background row [m] for the step (f64): Σ p⁰ log p⁰ − μ⁰·mix + lse(mix), since
-        Σ_v p⁰_v z_v = μ⁰·mix. Its gradient −μ⁰ + μ is exact; its value is a difference of O(lse) terms (f32 lse:
-        ~1e-6 absolute), so the exact KL that judges candidates is `streamed_kl`, never this."""
-        return self.negH0_bg[rows] - (self.mu0_bg[rows] * mix.double()).sum(1) + lse.double()
+        """KL(p⁰ ‖ p) per background row [m] for the step (f64): lse − lse⁰ − μ⁰·(mix − mix⁰) (`kl_from`, the
+        judge's `kl_against` on the same KlReference). Its gradient −μ⁰ + μ is exact; its value carries the two
+        f32 lse's rounding (~ε₃₂·|z|, on the demo model 1.5e-6 nats mean, 1.0e-5 max per row), as the judge's does
+        (the former Σp⁰log p⁰ − μ⁰·mix + lse carried the entropy accumulator's f32 row-dot error instead: +9e-5 nats
+        mean, 6.6e-4 max per row on the demo's background at its bundle, against the f64 KL 4.4e-4)."""
+        r = self.ref_bg
+        return kl_from(lse, mix, r.lse0[rows], r.mix0[rows], r.mu0[rows])
 
     # the terms' orders as the landed code has them: the forward builds them in EVAL_ORDER (the shared rows first),
     # the loss adds them in SUM_ORDER, the step's parts list PARTS; float sums and autograd's accumulation follow
