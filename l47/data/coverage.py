@@ -23,7 +23,8 @@ import torch
 
 ENERGY = 0.99  # the background's span: the directions holding 99 % of its key energy
 RATIO = 3.0  # a scored set this many times further outside than the solver's own documents is named
-FLOOR = 0.03  # ... and at least this share outside (a few per cent is any two samples of text)
+FLOOR = 0.05  # ... and at least this share outside (a few per cent is any two samples of text: a zoo model whose
+# background holds a quarter of JSON answers still leaves 4.1 % of its kld.json keys outside, 0.8 % of its own)
 REFERENCE = ("train", "dev", "pool", "collateral_anchor")  # the solver's own documents
 
 
@@ -75,7 +76,7 @@ def coverage_warnings(g: KeyGrams, scored: list[str]) -> list[str]:
         share = outside_share(g.C[s], P)
         if share > max(FLOOR, RATIO * base):
             out.append(f"set {s!r}: {share:.1%} of its key energy lies outside the background's span (the "
-                       f"solver's own documents: {base:.1%}): the background KL does not see this kind of text, so "
-                       f"nothing holds an edit there — add background documents of this kind (other documents than "
-                       f"{s!r}'s)")
+                       f"solver's own documents: {base:.1%}): the background shows little of this kind of text, and "
+                       f"the solver holds an edit only where its background looks — add background documents of "
+                       f"this kind (other documents than {s!r}'s)")
     return out
