@@ -8,7 +8,7 @@ machine and device, with the functions the solvers call, on `probe_rows` random 
 
     lse     streamed_lse forward (log-sum-exp: a step's background rows, events, soft anchors)
     mu      its backward: stream_head with μ = E_p[W_out] (one more pass)
-    kl      streamed_kl without gradient, per (base, edited) pair (the judge's exact KL; WFLD's KL check)
+    kl      streamed_kl without gradient, per (base, edited) pair (WFLD's exact KL check)
     stats   head_stats (lse, top-k, entropy: the judge's events, the objective's base quantities)
     tail    batch_mix forward + backward through ΔW, per row (no vocabulary)
 
@@ -20,8 +20,9 @@ anchors, p = plausible turn ends (at most anchor_batch; counted in full, an uppe
     forward   tail·(E + a + p + N) + lse·V·(E + a + p)        the events' and anchors' log p
     kl        tail·m + lse·V·m                                the background rows' one pass
     backward  mu·V·(E + m + a + p)                            ∂lse/∂mix of every row that had a pass
-    judge     [kl·V·(B + R) + stats·V·(E + D + T)] / eval_every   every eval_every steps, exact, amortised
-  (B background rows, R dev rows, D dev events, T turn ends); once: mu·V·B + stats·V·(B + E + N + D + R + A).
+    judge     [lse·V·(B + R) + stats·V·(E + D + T)] / eval_every  every eval_every steps, exact, amortised
+  (B background rows, R dev rows, D dev events, T turn ends; the KLs by `kl_against`: one lse pass over the
+  candidate's rows); once: (mu + lse)·V·(B + R) (the KlReferences) + stats·V·(B + E + N + D + R + A).
   Steps: the configured cap (`steps`) — an UPPER bound (a solve that converges stops earlier).
 WFLD: once the Fisher (its μ and top-K pass and the tail samples' μ pass, 2·mu·V·B, their two sampling passes,
   2·lse·V·B, and K + S backward passes of the tail, tail·(K + S)·B); its eigenbases ([n, n] and [f', f'] eigh) are
@@ -180,7 +181,8 @@ def ftpo_step(s: SolveShape, cfg, u: UnitCosts) -> dict[str, float]:
     m = min(cfg.background_batch, s.background) if cfg.background_batch > 0 else s.background
     a = min(cfg.anchor_batch, s.anchors) if cfg.anchor_batch > 0 else s.anchors
     p = min(cfg.anchor_batch, s.plausible_ends) if cfg.anchor_batch > 0 else s.plausible_ends
-    judge = u.kl * V * (s.background + s.dev_rows) + u.stats * V * (s.events + s.dev_events + s.turn_ends)
+    # the judge's KLs: one lse pass over the candidate's background and dev rows (`kl_against`, not the pair pass)
+    judge = u.lse * V * (s.background + s.dev_rows) + u.stats * V * (s.events + s.dev_events + s.turn_ends)
     return {"forward": u.tail * (s.events + a + p + s.near) + u.lse * V * (s.events + a + p),
             "kl": u.tail * m + u.lse * V * m,
             "backward": u.mu * V * (s.events + m + a + p),
@@ -190,8 +192,8 @@ def ftpo_step(s: SolveShape, cfg, u: UnitCosts) -> dict[str, float]:
 def estimate_ftpo(s: SolveShape, cfg, u: UnitCosts) -> Estimate:
     """FTPO: setup + steps × per step, steps = the configured cap (an upper bound; module docstring)."""
     V = s.V
-    setup = u.mu * V * s.background + u.stats * V * (s.background + s.events + s.near + s.dev_events + s.dev_rows
-                                                     + s.anchors)
+    setup = (u.mu * V * (s.background + s.dev_rows) + u.lse * V * (s.background + s.dev_rows)  # the KlReferences
+             + u.stats * V * (s.background + s.events + s.near + s.dev_events + s.dev_rows + s.anchors))
     return Estimate("ftpo", ftpo_step(s, cfg, u), int(cfg.steps), setup, u, True,
                     f"steps = the step cap {cfg.steps} (an upper bound: a solve that reaches its target stops "
                     f"earlier); an exact judgement every {cfg.eval_every} steps over {s.background:,} background "

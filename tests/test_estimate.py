@@ -91,8 +91,8 @@ def test_every_method_has_an_estimate():
 def test_step_count_is_linear_in_v_and_the_rows():
     """The count itself, with unit costs of 1: doubling V doubles every vocabulary term; the step's background rows
     are min(background_batch, B); the judge is amortised over eval_every."""
-    u = UnitCosts(lse=1.0, mu=1.0, kl=1.0, stats=1.0, tail=0.0, device="x", threads=1, precision="f32",
-                  probe_rows=1, probe_vocab=1)
+    u = UnitCosts(lse=1.0, mu=1.0, kl=7.0, stats=1.0, tail=0.0, device="x", threads=1, precision="f32",
+                  probe_rows=1, probe_vocab=1)  # kl ≠ lse: FTPO's judge takes one lse pass per row, no pair pass
     cfg = FtpoConfig()
     s = SolveShape(V=1000, events=10, background=100, anchors=20, turn_ends=5, near=3, dev_events=4, dev_rows=50)
     a = ftpo_step(s, cfg, u)
