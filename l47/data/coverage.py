@@ -37,7 +37,7 @@ class KeyGrams:
 
     def add(self, name: str, hh, device="cpu") -> None:
         h = torch.tensor(np.asarray(hh, dtype=np.float32), device=device)  # [T, f] (a copy: dumps are read-only maps)
-        g = (h.T @ h).double().cpu().numpy()  # [f, f]
+        g = (h.T @ h).cpu().double().numpy()  # [f, f] (f64 on the CPU: an MPS device has no float64)
         self.C[name] = self.C[name] + g if name in self.C else g
         self.rows[name] = self.rows.get(name, 0) + h.shape[0]
 
