@@ -200,10 +200,9 @@ class _Objective:
             self.need = torch.as_tensor(needed_drop(self.p0_ev, cfg.aim * pb.target_residual), device=dev_)  # [E]
             self.mass0_special = self.base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
             self.mix0_bg = batch_mix(pb.background, w)  # [B, n]
-            st = stream_head(self.mix0_bg, w.head, w.numerics, mu=True)
-            self.mu0_bg = st.mu.to(dev_)  # [B, n] f64  E_p⁰[W_out]: the step's KL needs one pass, not four
-            self.lse0_bg = st.lse.to(dev_)  # [B] f64
+            self.mu0_bg = stream_head(self.mix0_bg, w.head, w.numerics, mu=True).mu.to(dev_)  # [B, n] f64 E_p⁰[W_out]
             self.ref_bg = kl_reference(self.mix0_bg, w, mu0=self.mu0_bg)[0]  # the step's and the judge's KL
+            self.lse0_bg = self.ref_bg.lse0  # [B] f64, by the pass the step's own lse takes (the fused one on CUDA)
             self.lm0_special = (self._log_special_mass(self.mix0_bg, self.lse0_bg)
                                 if self.special.numel() else None)  # [B]
             self.pe_rows, self.lp0_pe, self.notes = self._plausible_ends(w, pb, cfg)
