@@ -32,6 +32,6 @@ done; done; done
 wait
 echo "all $(( $(date +%s)-t0 )) s"
 python3 scripts/gpu16/var_summary.py $O > $O/summary.tsv; cat $O/summary.tsv
-[ -n "$OUT" ] && mkdir -p $OUT && (cd $O && find . -name results.json -o -name report.json | grep -v '^./base' \
+[ -n "$OUT" ] && mkdir -p $OUT && (cd $O && find . -name results.json -o -name report.json -o -name "*.solve.json" | grep -v '^./base' \
   | tar czf $OUT/runs.tgz -T -)
 touch $O/DONE
