@@ -17,7 +17,6 @@ from l47.solvers.batch import Batch, batch_cat, batch_mix, batch_rows, event_log
 from l47.solvers.ftpo.config import FtpoConfig, FtpoProblem
 from l47.tail.forward import (DEFAULT_CHUNK, head_stats, kl_from, kl_reference, logits_at, logp_at, streamed_lse,
                               streamed_lse_without)
-from l47.tail.stream import stream_head
 
 
 def needed_drop(p0: np.ndarray, ratio: float) -> np.ndarray:
@@ -199,11 +198,10 @@ class _Objective:
             self.p0_ev = self.base["rejected"].double().exp().cpu().numpy()  # [E]
             self.need = torch.as_tensor(needed_drop(self.p0_ev, cfg.aim * pb.target_residual), device=dev_)  # [E]
             self.mass0_special = self.base["special"].exp().sum(1)  # [E] Σ_s p⁰_s
-            self.mix0_bg = batch_mix(pb.background, w)  # [B, n]
-            self.mu0_bg = stream_head(self.mix0_bg, w.head, w.numerics, mu=True).mu.to(dev_)  # [B, n] f64 E_p⁰[W_out]
-            self.ref_bg = kl_reference(self.mix0_bg, w, mu0=self.mu0_bg)[0]  # the step's and the judge's KL
-            self.lse0_bg = self.ref_bg.lse0  # [B] f64, by the pass the step's own lse takes (the fused one on CUDA)
-            self.lm0_special = (self._log_special_mass(self.mix0_bg, self.lse0_bg)
+            # the background's base rows x⁰ [B, n], lse⁰ [B] (by the pass the step's own lse takes: the fused one on
+            # CUDA) and μ⁰ [B, n]: the step's and the judge's KL, the special-mass guard, the plausible turn ends
+            self.ref_bg = kl_reference(batch_mix(pb.background, w), w)[0]
+            self.lm0_special = (self._log_special_mass(self.ref_bg.mix0, self.ref_bg.lse0)
                                 if self.special.numel() else None)  # [B]
             self.pe_rows, self.lp0_pe, self.notes = self._plausible_ends(w, pb, cfg)
             self.lp0_an = self.an_group = self.an_tol = None
@@ -232,8 +230,9 @@ class _Objective:
         turn ends) — at most plausible_end_rows of them, the most likely first. (None, None, []) when off or none."""
         if pb.im_end is None or cfg.plausible_end_p <= 0 or cfg.plausible_end_rows <= 0:
             return None, None, []
-        ids = torch.full((self.mix0_bg.shape[0], 1), int(pb.im_end), device=self.mix0_bg.device)
-        lp = (logits_at(self.mix0_bg, w, ids)[:, 0].double() - self.lse0_bg)  # [B] f64
+        mix0, lse0 = self.ref_bg.mix0, self.ref_bg.lse0  # [B, n], [B]
+        ids = torch.full((mix0.shape[0], 1), int(pb.im_end), device=mix0.device)
+        lp = (logits_at(mix0, w, ids)[:, 0].double() - lse0)  # [B] f64
         ok = (lp >= math.log(cfg.plausible_end_p)) & (pb.background.target.to(lp.device) != int(pb.im_end))
         rows = torch.nonzero(ok)[:, 0]  # [N]
         if not rows.numel():
