@@ -451,6 +451,51 @@ def test_ftpo_judge_turn_ends_lost_against_full_softmax(setup):
     assert judge.best is not None and judge.best[1] == 20
 
 
+def test_ftpo_judge_held_anchors_and_special_mass_against_full_softmax(setup):
+    """The judge reads bars (d) and (f) on what the solver holds: per anchor group the mean Δlog p of its targets
+    (a collateral word; <|im_end|> at the real turn ends) and the mean rise of Σ p(special) at the train events —
+    each equal to the f64 full softmax of the same rows (1e-5: f32 logits against f64, a mean of ~30 rows; the
+    special mass is a probability ~1e-3, compared to 1e-9 absolute) — and a candidate past a group's tolerance or
+    the special-mass tolerance is never kept, the condition named."""
+    from l47.model import names
+    from l47.solvers.ftpo import BIND_END_DLOGP, BIND_SPECIAL, BIND_WORDS, FtpoProblem, _Judge, _Objective
+
+    w, ev, terms, an = setup["w"], setup["ev"], setup["terms"], setup["an"]
+    dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(7))
+    lp0 = torch.log_softmax((_mix(an, w) @ w.head.T).double(), -1)[torch.arange(an.P), an.target]
+    lp1 = torch.log_softmax((_mix(an, w, dW=dW) @ w.head.T).double(), -1)[torch.arange(an.P), an.target]
+    order = torch.argsort(lp1 - lp0).tolist()  # the groups planted by the candidate's change: of the 12 anchors it
+    rank = {a: i for i, a in enumerate(order)}  # lowers most, the even ranks are turn ends, the odd ones word x;
+    groups = [("x" if rank[a] % 2 else names.IM_END) if rank[a] < 12 else "y" for a in range(an.P)]  # the rest y
+    want = {g: float((lp1 - lp0)[torch.as_tensor([i for i, h in enumerate(groups) if h == g])].mean())
+            for g in set(groups)}
+    sp = terms.special
+    ps0 = torch.softmax((_mix(ev, w) @ w.head.T).double(), -1)[:, sp].sum(1)
+    ps1 = torch.softmax((_mix(ev, w, dW=dW) @ w.head.T).double(), -1)[:, sp].sum(1)
+    rise = float((ps1 - ps0).mean())
+
+    def judged(tol_word, tol_end, special_tol):
+        tols = [tol_end if g == names.IM_END else tol_word for g in groups]
+        pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=setup["bg"], target_residual=0.5,
+                         kl_budget=10.0, anchors=an, anchor_group=groups, anchor_tol=tols, special_tol=special_tol)
+        judge = _Judge(w, pb, _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long)))
+        return judge(10, dW, 1.0), judge
+
+    info, judge = judged(10.0, 10.0, 1.0)
+    for g, v in want.items():
+        assert info["held_dlogp"][g] == pytest.approx(v, abs=1e-5)
+    assert info["special_rise"] == pytest.approx(rise, abs=1e-9)
+    assert info["inadmissible"] == [] and judge.best is not None  # every tolerance wide: kept
+    worst_word = min(want["x"], want["y"])
+    assert worst_word < 0 and want[names.IM_END] < 0 and abs(rise) > 1e-7  # the planted groups are lowered
+    info, judge = judged(-worst_word / 2, 10.0, 1.0)
+    assert info["inadmissible"] == [BIND_WORDS] and judge.best is None
+    info, judge = judged(10.0, -want[names.IM_END] / 2, 1.0)
+    assert info["inadmissible"] == [BIND_END_DLOGP] and judge.best is None
+    info, judge = judged(10.0, 10.0, abs(rise) / 2)
+    assert (BIND_SPECIAL in info["inadmissible"]) == (rise > abs(rise) / 2)
+
+
 def test_dev_rows_drop_the_prefix_rows_and_near_misses_are_listed():
     """bar (g)'s rows (the judge's dev rows) are every row but a phrase's prefix rows — the occurrence AND the
     near miss (prefix, another next token), as (g) and (e) judge; the near miss is listed for the tether.
@@ -698,14 +743,15 @@ def test_ftpo_names_the_soft_term_that_holds_a_phrase_at_the_cap(setup):
     at its step cap with both phrases short (≈ 0.65 against 0.5) and no constraint binding, and the record says
     what holds them — the ridge, whose gradient cancels more than half of each phrase's pull at the kept candidate
     (pull_balance; its shares are checked against finite differences in tests/test_ftpo_terms.py). The special-mass
-    guard is set loose (special_tol 1): at the default 1e-6 its relu, switching on and off at the kept candidate,
-    reads 20–45× the pull there and is named first."""
+    bar and the soft anchors are set loose (special_tol 1, anchor tolerance 1 nat): the judge holds the anchors'
+    mean within their tolerance and doubles λ_coll while it is broken, so at 0.05 nats on these random anchors the
+    soft anchors, not the ridge, hold both phrases (a constraint binding, as the record then says)."""
     from l47.solvers.ftpo import FtpoProblem
 
     w, ev, terms, bg, an = setup["w"], setup["ev"], setup["terms"], setup["bg"], setup["an"]
     pb = FtpoProblem(events=ev, terms=terms, phrase=["a" if i % 2 else "b" for i in range(ev.P)], background=bg,
                      target_residual=0.5, kl_budget=0.3, anchors=an, anchor_group=["w"] * an.P,
-                     anchor_tol=[0.05] * an.P, special_tol=1.0)
+                     anchor_tol=[1.0] * an.P, special_tol=1.0)
     res = train_ftpo(w, pb, FtpoConfig(steps=300, lr=0.3, key_rank=10, eval_every=10, lambda_ridge=300.0))
     assert res.stopped == "iteration_cap"
     assert set(res.pull_balance) == {"a", "b"}

@@ -10,7 +10,7 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
            + λ_coll · mean_group mean_{a ∈ group} (min(Δℓ_a, 0) / tol_group)²                soft anchors
                      [+ (Δo_a / end_odds_tol)² at the real and plausible turn ends]               their lead
                      [+ one group: Σ_r n_r (min(mean_{runner-up r} Δ(z_end − z_r), 0) / end_lead_tol)² / Σ_r n_r]
-           + λ_special · mean_e max(Δ Σ_s p_s, 0) / tol_special                               no special-token rise
+           + λ_special · mean_e max(Δ log Σ_s p_s, 0)                                      no special-token rise
            + λ_special · mean_{b ∈ background} max(Δ log Σ_s p_s, 0)                         ... anywhere
            + λ_flip · Σ_{t ∈ near ties} (max(−Δ(z_t1 − z_t2), 0) / max(z⁰_t1 − z⁰_t2, 0.05))²   no flip (bar (f))
            + λ_ridge · ‖ΔW‖² / ‖W‖²
@@ -26,9 +26,10 @@ token of event e, p⁰ base probabilities; every term is dimensionless, scaled b
   (d)'s word mean|, the real turn ends and (one more group) the background rows where the turn may end (base
   p(<|im_end|>) ≥ plausible_end_p), tol = |bar (f)'s mean Δlog p(<|im_end|>)|; o_a there is the log-odds of
   <|im_end|> against the rest of the row's base top-(K+1) (_EndOdds: Δℓ ≈ (1 − p)·Δo misses a lost lead at
-  p ≈ 1); tol_special is bar (f)'s allowed rise of Σ p(special) at slop positions (a hinge on the log-probs
-  instead held the special tokens' SHARE of the freed mass at zero: a near-certain token could then not lose
-  its mass at all).
+  p ≈ 1); the special guard is in nats like the hinge (the special tokens must lose about as many nats as r
+  does, or they take their share of its mass: docs/SOLVERS.md), λ_special doubles while the judged mean
+  Σ p(special) at the train or dev events rises past bar (f)'s special_rise_tol, as λ_coll does while a word's
+  or the turn ends' mean Δlog p over the solver's anchors is past its tolerance.
   Near ties are the background rows and real turn ends whose base top two tokens t1, t2 are one special token and
   one word within flip_margin nats: where bar (f) counts flips (to or away from a special token).
   The "margin" objective (expert option) replaces the target hinge by the seed's preference term
@@ -65,14 +66,15 @@ from l47.data.uncertainty import ratio_upper
 from l47.solvers.ftpo.basis import (SCALE_CAP, GapBasis, background_scales, gap_basis, gap_jacobians, key_basis,
                                     off_span, project_out, turn_end_basis)
 from l47.solvers.ftpo.config import OBJECTIVES, FtpoConfig, FtpoProblem
-from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_ENDS, BIND_FLIPS, BIND_KL, _Judge, _TurnEnds,
+from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_END_DLOGP, BIND_ENDS, BIND_FLIPS, BIND_KL, BIND_SPECIAL,
+                                    BIND_WORDS, _Judge, _TurnEnds,
                                     at_target_residuals, candidate_key, next_multiplier, pulling, removal_score)
 from l47.solvers.ftpo.objective import (_EndLeads, _EndOdds, _NearTies, _Objective, _Rotation, _Tether,
                                         conditional_kl, log_odds, needed_drop, per_group_mean, soft_anchor,
                                         special_word_pairs, target_hinge)
 from l47.solvers.ftpo.trainer import STOP_TARGET, FtpoResult, _Adam, phrase_stops, residual_trend, train_ftpo
 
-__all__ = ["BIND_DEV_KL", "BIND_ENDS", "BIND_FLIPS", "BIND_KL", "STOP_TARGET", "next_multiplier", "phrase_stops",
+__all__ = ["BIND_DEV_KL", "BIND_END_DLOGP", "BIND_ENDS", "BIND_SPECIAL", "BIND_WORDS", "BIND_FLIPS", "BIND_KL", "STOP_TARGET", "next_multiplier", "phrase_stops",
            "residual_trend", "OBJECTIVES", "SCALE_CAP", "FtpoConfig", "FtpoProblem", "FtpoResult", "GapBasis", "at_target_residuals",
            "background_scales", "candidate_key", "conditional_kl", "gap_basis", "gap_jacobians", "key_basis",
            "log_odds", "needed_drop", "off_span", "per_group_mean", "project_out", "pulling", "ratio_upper",

@@ -53,8 +53,11 @@ class FtpoConfig:
         0.0, 'weight of the conditional tether KL / kl_budget at events (the freed mass spreads as the base '
         'spreads it; 0: off, see docs/SOLVERS.md)')
     lambda_coll: float = knob(
-        4.0, 'weight of the soft anchors ((Δlog p / bar tolerance)², mean per word and turn ends)')
-    lambda_special: float = knob(1.0, "weight of the special-token mass hinge (rise / bar (f)'s special_rise_tol)")
+        4.0, 'weight of the soft anchors ((Δlog p / bar tolerance)², mean per word and turn ends; doubled while a '
+        "judged word's or the turn ends' mean Δlog p over the solver's anchors is past its bar)")
+    lambda_special: float = knob(
+        1.0, "weight of the special-token guard (nats of log Σ p(special) risen, mean over the events; doubled while "
+        "the judged mean Σ p(special) at the train or dev events rises past bar (f)'s special_rise_tol)")
     lambda_flip: float = knob(
         1.0, "weight of the near-tie guard: (shrink of the special-vs-argmax gap / its base size)², summed (bar "
         "(f)'s flips)")
@@ -123,7 +126,7 @@ class FtpoProblem:
     # and turn ends per candidate
     dev_kl_limit: float | None = None  # bar (g)'s limit: admissible while the dev rows' mean KL is within it at 95 %
     # confidence (its upper bound over documents); None: the dev mean within kl_budget
-    special_tol: float = 1e-6  # rise of Σ p(special) at an event that costs λ_special (bar (f)'s tolerance)
+    special_tol: float = 1e-6  # bar (f)'s allowed rise of the mean Σ p(special) at the events (the judge's)
     im_end: int | None = None  # the turn-end token: the judge counts turn ends (dev rows, anchors) that lose its argmax
     im_end_tol: float = 0.005  # nats of Δlog p(<|im_end|>) that cost λ_coll at a plausible turn end (bar (f)'s)
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW

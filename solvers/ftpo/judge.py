@@ -14,7 +14,7 @@ from l47.model.weights import TailWeights
 from l47.solvers.batch import batch_mix, batch_rows
 from l47.solvers.ftpo.config import FtpoProblem
 from l47.solvers.ftpo.objective import _Objective
-from l47.tail.forward import head_stats, kl_against, kl_reference
+from l47.tail.forward import head_stats, kl_against, kl_reference, logp_at
 from l47.tail.stream import stream_head
 
 
@@ -77,6 +77,9 @@ BIND_KL = "KL budget"  # the exact background KL over the solve's budget
 BIND_DEV_KL = "bar (g) KL on dev chats"  # the dev documents' rows' KL (upper bound) over bar (g)'s limit
 BIND_FLIPS = "bar (f) flips"  # a dev row's argmax flipped to a special token
 BIND_ENDS = "bar (f) turn ends"  # a real turn end lost its argmax (dev rows or the solver's anchors)
+BIND_WORDS = "bar (d) word mean"  # a collateral word's mean Δlog p over the solver's anchors below −its tolerance
+BIND_END_DLOGP = "bar (f) turn-end log p"  # the solver's turn ends' mean Δlog p(<|im_end|>) below −its tolerance
+BIND_SPECIAL = "bar (f) special mass"  # Σ p(special) at the train or dev events rose by more than special_tol
 
 
 class _Judge:
@@ -98,28 +101,46 @@ class _Judge:
             self.ref_dev, st0 = kl_reference(batch_mix(pb.dev_rows, w), w, topk=1)  # [D] rows
             self.arg0_dev = st0.top_i[:, 0].to(w.device)  # [D]
         self.ends = _TurnEnds(w, pb, self.arg0_dev if pb.dev_rows is not None else None)
+        self.held = _Held(w, pb, obj)
+        self.sp_ev0 = self.sp_dev0 = None  # [E], [D] base Σ p(special) at the train and dev events
+        if self.special.numel():
+            with torch.no_grad():
+                self.sp_ev0 = _special_mass(head_stats(batch_mix(pb.events, w), w, pb.terms.rejected.cpu().numpy(),
+                                                       {"s": self.special.cpu()}, topk=1))
+                if pb.dev is not None:
+                    self.sp_dev0 = _special_mass(head_stats(batch_mix(pb.dev, w), w, pb.dev_final.cpu().numpy(),
+                                                            {"s": self.special.cpu()}, topk=1))
 
     def __call__(self, step: int, dW: torch.Tensor, lam: float) -> dict:
         w, pb, t = self.w, self.pb, self.pb.target_residual
         with torch.no_grad():
             Wq = pb.shipped(dW) if pb.shipped is not None else w.W_sd + dW
             kl = float(kl_against(self.ref_bg, batch_mix(pb.background, w, W_sd=Wq), w)[0].mean())
-            p1 = np.exp(head_stats(batch_mix(pb.events, w, W_sd=Wq), w, pb.terms.rejected.cpu().numpy()).logp_target)
+            sets = {"s": self.special.cpu()} if self.special.numel() else None
+            st_ev = head_stats(batch_mix(pb.events, w, W_sd=Wq), w, pb.terms.rejected.cpu().numpy(), sets, topk=1)
+            p1 = np.exp(st_ev.logp_target)
             tr = _phrase_residuals(self.obj.p0_ev, p1, pb.phrase)
+            sp_rise = [] if sets is None else [float(np.mean(_special_mass(st_ev) - self.sp_ev0))]
             self.ratio_ev = p1 / np.maximum(self.obj.p0_ev, 1e-300)  # [E] each train event's own residual
             dv = {}
             if pb.dev is not None:
-                p1 = np.exp(head_stats(batch_mix(pb.dev, w, W_sd=Wq), w, pb.dev_final.cpu().numpy()).logp_target)
-                dv = _phrase_residuals(self.dev_p0, p1, pb.dev_phrase)
+                st_dv = head_stats(batch_mix(pb.dev, w, W_sd=Wq), w, pb.dev_final.cpu().numpy(), sets, topk=1)
+                dv = _phrase_residuals(self.dev_p0, np.exp(st_dv.logp_target), pb.dev_phrase)
+                if sets is not None:
+                    sp_rise.append(float(np.mean(_special_mass(st_dv) - self.sp_dev0)))
             kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
+            held = self.held.dlogp(Wq)  # group -> mean Δlog p over the solver's anchors of that group
         at = at_target_residuals(tr, dv)  # the rule `reached` and the record's convergence use: one per phrase
         key = candidate_key(tr, dv, t, kl)
         dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
                                     kl_dev_hi <= pb.dev_kl_limit)
+        past = {g for g, v in held.items() if v < -self.held.tol[g]}  # groups past their tolerance
         over = [name for name, bad in ((BIND_KL, kl > pb.kl_budget), (BIND_DEV_KL, not dev_ok),
                                        (BIND_FLIPS, bool(flips)),
-                                       (BIND_ENDS, bool(ends_lost["dev"] or ends_lost["anchors"]))) if bad]
+                                       (BIND_ENDS, bool(ends_lost["dev"] or ends_lost["anchors"])),
+                                       (BIND_WORDS, bool(past - {names.IM_END})), (BIND_END_DLOGP, names.IM_END in past),
+                                       (BIND_SPECIAL, max(sp_rise, default=0.0) > pb.special_tol)) if bad]
         ok = not over
         if ok and (self.best is None or key < self.best[0]):
             self.best = (key, step, dW.clone(), kl, dv, tr)
@@ -127,8 +148,9 @@ class _Judge:
         dev_used = None if kl_dev is None else (kl_dev if pb.dev_kl_limit is None else kl_dev_hi) / dev_limit
         return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "kl_dev_hi": kl_dev_hi, "kl_dev_role": kl_role,
                 "dev_flips": flips,
-                "turn_ends_lost": ends_lost,
-                "lambda": lam, "lambda_flip": self.obj.lam_flip, "train_residual": tr, "dev_residual": dv,
+                "turn_ends_lost": ends_lost, "held_dlogp": held, "special_rise": max(sp_rise, default=None),
+                "lambda": lam, "lambda_flip": self.obj.lam_flip, "lambda_coll": self.obj.terms["coll"].weight,
+                "lambda_special": self.obj.terms["special"].weight, "train_residual": tr, "dev_residual": dv,
                 "inadmissible": over, "kl_used": kl / pb.kl_budget, "kl_dev_used": dev_used,
                 "reached": ok and all(v <= t for v in at.values())}
 
@@ -143,6 +165,34 @@ class _Judge:
         arg = st.top_i[:, 0].to(w.device)  # [D]
         flips = int((torch.isin(arg, self.special) & ~torch.isin(self.arg0_dev, self.special)).sum())
         return float(kl.mean()), flips, arg, _by_role(kl, pb.dev_rows.role), _ratio_upper(kl, pb.dev_rows.doc)
+
+
+def _special_mass(st) -> np.ndarray:
+    """Σ p(special) per row [P] (f64) of a head_stats pass with the special ids as its set "s"."""
+    return np.exp(st.set_logp["s"]).sum(1)
+
+
+class _Held:
+    """Bars (d) word mean and (f) turn-end log p, judged on the solver's own anchors (in-sample: the audit reads held-out
+    ones): per group (a collateral word, or <|im_end|> at the real turn ends) the mean Δlog p of its anchors' targets
+    under the shipped W, against the group's tolerance (the soft anchors' own: |bar (d)'s word mean|, |bar (f)'s
+    turn-end Δlog p|). The soft anchors are penalties; a candidate past a tolerance is not kept, however much it
+    removes."""
+
+    def __init__(self, w: TailWeights, pb: FtpoProblem, obj: _Objective):
+        self.w, self.b, self.tol = w, None, {}
+        if obj.lp0_an is None:
+            return
+        self.b, self.lp0 = pb.anchors, obj.lp0_an.double()  # [A]
+        self.group = np.asarray(pb.anchor_group)
+        self.tol = {g: float(t) for g, t in zip(pb.anchor_group, pb.anchor_tol)}
+
+    def dlogp(self, Wq: torch.Tensor) -> dict[str, float]:
+        """group -> mean Δlog p of its anchors' targets (f64 mean); {} without anchors."""
+        if self.b is None:
+            return {}
+        d = (logp_at(batch_mix(self.b, self.w, W_sd=Wq), self.w, self.b.target).double() - self.lp0).cpu().numpy()
+        return {g: float(d[self.group == g].mean()) for g in sorted(self.tol)}
 
 
 def _ratio_upper(kl: torch.Tensor, doc: tuple[str, ...]) -> float | None:
