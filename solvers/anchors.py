@@ -98,3 +98,11 @@ def word_null_cost(hh: torch.Tensor, words: list[str], tol: float = 1e-6) -> dic
         m = torch.as_tensor(arr == word)
         out[word] = {"anchors": int(m.sum()), "rank_alone": rk(H[m]), "unique_directions": total - rk(H[~m])}
     return out
+
+
+def label_means(x: np.ndarray, labels) -> dict[str, float]:
+    """label -> the mean of x [A] over the anchors of that label (`labels` [A]: a collateral word, or the turn-end
+    token's name), sorted by label (f64): bars (d)/(f)'s per-word and turn-end means, as the plan's edit and FTPO's
+    judge read them."""
+    lab, x = np.asarray(labels), np.asarray(x, dtype=np.float64)
+    return {k: float(x[lab == k].mean()) for k in sorted(set(lab.tolist()))}

@@ -56,7 +56,7 @@ import torch
 from l47.data.uncertainty import POOLED, phrase_intervals
 from l47.model import names
 from l47.model.weights import TailWeights
-from l47.solvers.anchors import word_null_cost
+from l47.solvers.anchors import label_means, word_null_cost
 from l47.solvers.ftpo import at_target_residuals, needed_drop, removal_score
 from l47.solvers.ftpo.judge import _phrase_residuals
 from l47.solvers.batch import Batch, EventTerms, batch_mix, ys_grad_mix
@@ -374,8 +374,7 @@ def held_dlogp(b: Batch, words: list[str], w: TailWeights, dW: torch.Tensor) -> 
     streamed pass for base and edit; f64 means)."""
     with torch.no_grad():
         d = paired_stats(batch_mix(b, w), batch_mix(b, w, dW=dW), w, b.target.cpu().numpy()).dlogp  # [A]
-    lab = np.asarray(words)
-    return {x: float(d[lab == x].mean()) for x in sorted(set(words))}
+    return label_means(d, words)
 
 
 @dataclass(frozen=True)

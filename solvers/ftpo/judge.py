@@ -11,6 +11,7 @@ import torch
 from l47.data.uncertainty import ratio_upper
 from l47.model import names
 from l47.model.weights import TailWeights
+from l47.solvers.anchors import label_means
 from l47.solvers.batch import batch_mix, batch_rows
 from l47.solvers.ftpo.config import FtpoProblem
 from l47.solvers.ftpo.objective import _Objective
@@ -183,16 +184,15 @@ class _Held:
         self.w, self.b, self.tol = w, None, {}
         if obj.lp0_an is None:
             return
-        self.b, self.lp0 = pb.anchors, obj.lp0_an.double()  # [A]
-        self.group = np.asarray(pb.anchor_group)
+        self.b, self.lp0, self.group = pb.anchors, obj.lp0_an.double(), pb.anchor_group  # [A]
         self.tol = {g: float(t) for g, t in zip(pb.anchor_group, pb.anchor_tol)}
 
     def dlogp(self, Wq: torch.Tensor) -> dict[str, float]:
         """group -> mean Δlog p of its anchors' targets (f64 mean); {} without anchors."""
         if self.b is None:
             return {}
-        d = (logp_at(batch_mix(self.b, self.w, W_sd=Wq), self.w, self.b.target).double() - self.lp0).cpu().numpy()
-        return {g: float(d[self.group == g].mean()) for g in sorted(self.tol)}
+        d = logp_at(batch_mix(self.b, self.w, W_sd=Wq), self.w, self.b.target).double() - self.lp0  # [A]
+        return label_means(d.cpu().numpy(), self.group)
 
 
 def _ratio_upper(kl: torch.Tensor, doc: tuple[str, ...]) -> float | None:
