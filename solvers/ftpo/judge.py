@@ -106,8 +106,7 @@ class _Judge:
         self.sp_ev0 = self.sp_dev0 = None  # [E], [D] base Σ p(special) at the train and dev events
         if self.special.numel():
             with torch.no_grad():
-                self.sp_ev0 = _special_mass(head_stats(batch_mix(pb.events, w), w, pb.terms.rejected.cpu().numpy(),
-                                                       {"s": self.special.cpu()}, topk=1))
+                self.sp_ev0 = obj.lm0_special_ev.double().exp().cpu().numpy()  # the objective's base pass
                 if pb.dev is not None:
                     self.sp_dev0 = _special_mass(head_stats(batch_mix(pb.dev, w), w, pb.dev_final.cpu().numpy(),
                                                             {"s": self.special.cpu()}, topk=1))
