@@ -1,7 +1,8 @@
 """What a solve touches: the selection policy of `l47 solve` (DESIGN §5), as pure functions of the sets report.
 
     train / dev events      every accepted event of the train / dev sets (the sets report's events)
-    anchors                 collateral_anchor occurrences, thinned to at most `max_anchors_per_word` per word
+    anchors                 collateral_anchor occurrences (FTPO with `own_anchors`: and the words' ordinary uses
+                            in its train and background documents), thinned to at most `max_anchors_per_word` per word
                             (evenly spread), plus — with `protect_turn_ends` — the real turn ends (<|im_end|>
                             targets) of the solver's chats (background, train, dev; FTPO: background and train —
                             the dev documents' turn ends judge its candidates), protected exactly
@@ -96,6 +97,7 @@ class SelectionPolicy:
     # `max_background` (its Fisher's sample)
     background_with_train: bool  # the train documents' own rows are background too (FTPO)
     judges_dev: bool  # the dev documents are judged inside the solve: their turn ends are left unprotected (FTPO)
+    anchor_sets: tuple[str, ...] = ("collateral_anchor",)  # the sets whose collateral occurrences are anchors
 
 
 def near_miss_rows(docs: list, pts: list, tokens_of) -> list[tuple[str, int, int]]:
@@ -138,7 +140,7 @@ def select_positions(report, cfg, policy: SelectionPolicy, where: str | Path, to
     if not train:
         raise L47Error(where, "train events", "at least one prefix-exact event with base p ≥ "
                        f"{report.thresholds['non_event_p']} in accepted train documents", "none")
-    anchors = by_order([c for c in report.collateral if c.set == "collateral_anchor"])
+    anchors = by_order([c for c in report.collateral if c.set in policy.anchor_sets])
     anchors = thin_anchors(anchors, cfg.max_anchors_per_word, order)
     accepted = [d for d in report.docs if not d.refused]
     bg_docs = by_order([d for d in accepted if d.set == "background"], lambda d: d.sha256, lambda d: 0)

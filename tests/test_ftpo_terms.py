@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,7 +48,7 @@ def world():
                      anchor_tol=[0.02] * 10 + [0.05] * 10 + [0.005] * 5, turn_ends=5, near=near,
                      near_banned=(ids[torch.arange(61, 91, 3) + 1] + 1) % 1024, special_tol=1.0)
     cfg = FtpoConfig(key_rank=0, anchor_batch=0, lambda_shape=0.5, lambda_cond=2.0, flip_margin=50.0,
-                     lambda_ridge=0.3)
+                     lambda_ridge=0.3, anchor_knee=0.75)  # knee: 9 of the 20 word anchors past it at dW
     group = torch.as_tensor([0 if p == "a" else 1 for p in pb.phrase])
     obj = _Objective(w, pb, cfg, group)
     dW = 0.05 * float(w.W_sd.pow(2).mean().sqrt()) * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(3))
@@ -128,15 +129,38 @@ def test_conditional_tether_term(world):
 
 
 def test_soft_anchor_term(world):
-    """coll = mean over anchor groups (each word, the turn ends) of the mean (Δlog p(target) / tol)² (every anchor
-    in this step: anchor_batch 0; no plausible turn ends: no turn-end token named)."""
-    w, pb, dW = world["w"], world["pb"], world["dW"]
+    """coll = mean over anchor groups (each word, the turn ends) of the mean cost per anchor, x = Δlog p(target) /
+    tol: the turn ends x², the collateral words x² up to the knee (anchor_knee tolerances) and linear past it with
+    the same slope, 2·knee·|x| − knee² (every anchor in this step: anchor_batch 0; no plausible turn ends: no
+    turn-end token named). Reference: the f64 full softmax, the Huber written out per anchor."""
+    w, pb, dW, k = world["w"], world["pb"], world["dW"], world["cfg"].anchor_knee
     a = pb.anchors
     ar = torch.arange(a.P)
     dl = torch.log_softmax(_z(a, w, dW), -1)[ar, a.target] - torch.log_softmax(_z(a, w), -1)[ar, a.target]
-    c = (dl / torch.as_tensor(pb.anchor_tol, dtype=torch.float64)) ** 2
-    ref = (c[:10].mean() + c[10:20].mean() + c[20:].mean()) / 3
+    x = (dl / torch.as_tensor(pb.anchor_tol, dtype=torch.float64)).tolist()
+    c = [v * v if i >= 20 or abs(v) <= k else 2 * k * abs(v) - k * k for i, v in enumerate(x)]
+    assert sum(abs(v) > k for v in x[:20]) >= 3 and sum(abs(v) <= k for v in x[:20]) >= 3  # both pieces met
+    assert max(abs(v) for v in x[20:]) > k  # a turn end past the knee still costs its square
+    ref = (np.mean(c[:10]) + np.mean(c[10:20]) + np.mean(c[20:])) / 3
     assert _cost(world, "coll") == pytest.approx(float(ref), rel=1e-3)  # (Δℓ / 0.005)²: f32 Δℓ magnified
+
+
+def test_soft_anchor_huber_is_continuous_with_its_slope():
+    """soft_anchor's Huber: the square within the knee, linear past it, value and slope continuous at ±knee
+    (central differences in f64, 1e-6: the pieces are polynomials), the plain square with knee = inf."""
+    from l47.solvers.ftpo import soft_anchor
+
+    tol, k = torch.tensor(0.05, dtype=torch.float64), 2.0
+    for x in (-3.0, -2.0, -1.0, 0.5, 2.0, 7.0):
+        d = torch.tensor(x * 0.05, dtype=torch.float64, requires_grad=True)
+        c = soft_anchor(d, tol, k)
+        want = x * x if abs(x) <= k else 2 * k * abs(x) - k * k
+        assert float(c.detach()) == pytest.approx(want, rel=1e-12)
+        (g,) = torch.autograd.grad(c, d)
+        h = 1e-7
+        fd = (float(soft_anchor(d.detach() + h, tol, k)) - float(soft_anchor(d.detach() - h, tol, k))) / (2 * h)
+        assert float(g) == pytest.approx(fd, rel=1e-6)
+    assert float(soft_anchor(torch.tensor(-0.5, dtype=torch.float64), tol)) == pytest.approx(100.0)
 
 
 def test_near_tie_term(world):

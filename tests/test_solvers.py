@@ -458,7 +458,8 @@ def test_ftpo_judge_held_anchors_and_special_mass_against_full_softmax(setup):
     special mass is a probability ~1e-3, compared to 1e-9 absolute) — and a candidate past a group's tolerance or
     the special-mass tolerance is never kept, the condition named."""
     from l47.model import names
-    from l47.solvers.ftpo import BIND_END_DLOGP, BIND_SPECIAL, BIND_WORDS, FtpoProblem, _Judge, _Objective
+    from l47.solvers.ftpo import (BIND_END_DLOGP, BIND_SPECIAL, BIND_WORDS, BIND_WORDS_BELOW, FtpoProblem, _Judge,
+                                  _Objective)
 
     w, ev, terms, an = setup["w"], setup["ev"], setup["terms"], setup["an"]
     dW = 0.3 * w.W_sd.std() * torch.randn(w.n, w.f, generator=torch.Generator().manual_seed(7))
@@ -474,16 +475,21 @@ def test_ftpo_judge_held_anchors_and_special_mass_against_full_softmax(setup):
     ps1 = torch.softmax((_mix(ev, w, dW=dW) @ w.head.T).double(), -1)[:, sp].sum(1)
     rise = float((ps1 - ps0).mean())
 
-    def judged(tol_word, tol_end, special_tol):
+    words = torch.as_tensor([g != names.IM_END for g in groups])
+    below = float(((lp1 - lp0)[words] < -0.1).double().mean())  # bar (d)'s share, pooled over the words' anchors
+
+    def judged(tol_word, tol_end, special_tol, frac_below=1.0):
         tols = [tol_end if g == names.IM_END else tol_word for g in groups]
         pb = FtpoProblem(events=ev, terms=terms, phrase=["a"] * ev.P, background=setup["bg"], target_residual=0.5,
-                         kl_budget=10.0, anchors=an, anchor_group=groups, anchor_tol=tols, special_tol=special_tol)
+                         kl_budget=10.0, anchors=an, anchor_group=groups, anchor_tol=tols, special_tol=special_tol,
+                         word_below=-0.1, word_frac_below=frac_below)
         judge = _Judge(w, pb, _Objective(w, pb, FtpoConfig(), torch.zeros(ev.P, dtype=torch.long)))
         return judge(10, dW, 1.0), judge
 
     info, judge = judged(10.0, 10.0, 1.0)
     for g, v in want.items():
         assert info["held_dlogp"][g] == pytest.approx(v, abs=1e-5)
+    assert info["held_below"] == pytest.approx(below) and 0 < below < 1  # anchors on both sides of −0.1 nats
     assert info["special_rise"] == pytest.approx(rise, abs=1e-9)
     assert info["inadmissible"] == [] and judge.best is not None  # every tolerance wide: kept
     worst_word = min(want["x"], want["y"])
@@ -494,6 +500,8 @@ def test_ftpo_judge_held_anchors_and_special_mass_against_full_softmax(setup):
     assert info["inadmissible"] == [BIND_END_DLOGP] and judge.best is None
     info, judge = judged(10.0, 10.0, abs(rise) / 2)
     assert (BIND_SPECIAL in info["inadmissible"]) == (rise > abs(rise) / 2)
+    info, judge = judged(10.0, 10.0, 1.0, frac_below=below / 2)
+    assert info["inadmissible"] == [BIND_WORDS_BELOW] and judge.best is None
 
 
 def test_dev_rows_drop_the_prefix_rows_and_near_misses_are_listed():

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from l47.model import names
 from l47.solvers.batch import Batch, EventTerms
 from l47.solvers.knobs import knob
 
@@ -55,6 +56,13 @@ class FtpoConfig:
     lambda_coll: float = knob(
         4.0, 'weight of the soft anchors ((Δlog p / bar tolerance)², mean per word and turn ends; doubled while a '
         "judged word's or the turn ends' mean Δlog p over the solver's anchors is past its bar)")
+    anchor_knee: float = knob(
+        2.0, "soft anchors of the collateral words: the square of Δlog p / tolerance turns linear past this many "
+        "tolerances (Huber; inf: the square throughout). Bar (d) asks a word's MEAN and the share of occurrences "
+        "below its per-occurrence threshold, not every anchor at the tolerance", lo=0.5)
+    own_anchors: bool = knob(
+        False, "the collateral words' ordinary uses in the solver's own train and background documents are soft "
+        "anchors too (beside collateral_anchor's)")
     lambda_special: float = knob(
         1.0, "weight of the special-token guard (nats of log Σ p(special) risen, mean over the events; doubled while "
         "the judged mean Σ p(special) at the train or dev events rises past bar (f)'s special_rise_tol)")
@@ -126,10 +134,16 @@ class FtpoProblem:
     # and turn ends per candidate
     dev_kl_limit: float | None = None  # bar (g)'s limit: admissible while the dev rows' mean KL is within it at 95 %
     # confidence (its upper bound over documents); None: the dev mean within kl_budget
+    word_below: float = -0.1  # bar (d)'s per-occurrence threshold, nats (collateral_below) ...
+    word_frac_below: float = 0.10  # ... and the share of the words' anchors the judge lets fall below it
     special_tol: float = 1e-6  # bar (f)'s allowed rise of the mean Σ p(special) at the events (the judge's)
     im_end: int | None = None  # the turn-end token: the judge counts turn ends (dev rows, anchors) that lose its argmax
     im_end_tol: float = 0.005  # nats of Δlog p(<|im_end|>) that cost λ_coll at a plausible turn end (bar (f)'s)
     shipped: object = None  # callable ΔW -> runtime W_sd as shipped (re-quantised); None: W_sd + ΔW
+
+    def word_anchors(self) -> list[bool]:
+        """Per anchor: a collateral word's (bar (d)), not the turn ends' group (bar (f))."""
+        return [g != names.IM_END for g in self.anchor_group]
 
     def turn_end_rows(self) -> list[int]:
         """The anchors' rows that are real turn ends (the last `turn_ends` of them)."""

@@ -79,6 +79,7 @@ BIND_DEV_KL = "bar (g) KL on dev chats"  # the dev documents' rows' KL (upper bo
 BIND_FLIPS = "bar (f) flips"  # a dev row's argmax flipped to a special token
 BIND_ENDS = "bar (f) turn ends"  # a real turn end lost its argmax (dev rows or the solver's anchors)
 BIND_WORDS = "bar (d) word mean"  # a collateral word's mean Δlog p over the solver's anchors below −its tolerance
+BIND_WORDS_BELOW = "bar (d) share below"  # more of the words' anchors than bar (d)'s share below its threshold
 BIND_END_DLOGP = "bar (f) turn-end log p"  # the solver's turn ends' mean Δlog p(<|im_end|>) below −its tolerance
 BIND_SPECIAL = "bar (f) special mass"  # Σ p(special) at the train or dev events rose by more than special_tol
 
@@ -130,7 +131,7 @@ class _Judge:
                     sp_rise.append(float(np.mean(_special_mass(st_dv) - self.sp_dev0)))
             kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
-            held = self.held.dlogp(Wq)  # group -> mean Δlog p over the solver's anchors of that group
+            held, below = self.held.dlogp(Wq)  # group -> mean Δlog p over its anchors; words' share below
         at = at_target_residuals(tr, dv)  # the rule `reached` and the record's convergence use: one per phrase
         key = candidate_key(tr, dv, t, kl)
         dev_ok = kl_dev is None or (kl_dev <= pb.kl_budget if pb.dev_kl_limit is None else
@@ -140,6 +141,7 @@ class _Judge:
                                        (BIND_FLIPS, bool(flips)),
                                        (BIND_ENDS, bool(ends_lost["dev"] or ends_lost["anchors"])),
                                        (BIND_WORDS, bool(past - {names.IM_END})), (BIND_END_DLOGP, names.IM_END in past),
+                                       (BIND_WORDS_BELOW, below > pb.word_frac_below),
                                        (BIND_SPECIAL, max(sp_rise, default=0.0) > pb.special_tol)) if bad]
         ok = not over
         if ok and (self.best is None or key < self.best[0]):
@@ -148,7 +150,7 @@ class _Judge:
         dev_used = None if kl_dev is None else (kl_dev if pb.dev_kl_limit is None else kl_dev_hi) / dev_limit
         return {"step": step, "kl_exact": kl, "kl_dev": kl_dev, "kl_dev_hi": kl_dev_hi, "kl_dev_role": kl_role,
                 "dev_flips": flips,
-                "turn_ends_lost": ends_lost, "held_dlogp": held, "special_rise": max(sp_rise, default=None),
+                "turn_ends_lost": ends_lost, "held_dlogp": held, "held_below": below, "special_rise": max(sp_rise, default=None),
                 "lambda": lam, "lambda_flip": self.obj.lam_flip, "lambda_coll": self.obj.terms["coll"].weight,
                 "lambda_special": self.obj.terms["special"].weight, "train_residual": tr, "dev_residual": dv,
                 "inadmissible": over, "kl_used": kl / pb.kl_budget, "kl_dev_used": dev_used,
@@ -180,18 +182,21 @@ class _Held:
     removes."""
 
     def __init__(self, w: TailWeights, pb: FtpoProblem, obj: _Objective):
-        self.w, self.b, self.tol = w, None, {}
+        self.w, self.b, self.tol, self.below = w, None, {}, pb.word_below
         if obj.lp0_an is None:
             return
         self.b, self.lp0, self.group = pb.anchors, obj.lp0_an.double(), pb.anchor_group  # [A]
         self.tol = {g: float(t) for g, t in zip(pb.anchor_group, pb.anchor_tol)}
+        self.words = np.asarray(pb.word_anchors())  # [A] bool
 
-    def dlogp(self, Wq: torch.Tensor) -> dict[str, float]:
-        """group -> mean Δlog p of its anchors' targets (f64 mean); {} without anchors."""
+    def dlogp(self, Wq: torch.Tensor) -> tuple[dict[str, float], float]:
+        """(group -> mean Δlog p of its anchors' targets (f64 mean), the share of the words' anchors below bar
+        (d)'s per-occurrence threshold — pooled over the words as the bar pools); ({}, 0) without anchors."""
         if self.b is None:
-            return {}
-        d = logp_at(batch_mix(self.b, self.w, W_sd=Wq), self.w, self.b.target).double() - self.lp0  # [A]
-        return label_means(d.cpu().numpy(), self.group)
+            return {}, 0.0
+        d = (logp_at(batch_mix(self.b, self.w, W_sd=Wq), self.w, self.b.target).double() - self.lp0).cpu().numpy()
+        below = float(np.mean(d[self.words] < self.below)) if self.words.any() else 0.0
+        return label_means(d, self.group), below
 
 
 def _ratio_upper(kl: torch.Tensor, doc: tuple[str, ...]) -> float | None:

@@ -63,10 +63,15 @@ def conditional_kl(z0: torch.Tensor, z: torch.Tensor, keep: torch.Tensor) -> tor
     return torch.where(keep, q0 * (l0 - l1), torch.zeros_like(l0)).sum(-1)  # [P]
 
 
-def soft_anchor(dlp: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
-    """(Δℓ/tol)² per anchor [P]: a change of one tolerance costs 1 (both ways: a turn end that rises makes the
-    turn-end token rise at the near-ties around it, seed §6.1)."""
-    return (dlp / tol) ** 2
+def soft_anchor(dlp: torch.Tensor, tol: torch.Tensor, knee: float = math.inf) -> torch.Tensor:
+    """Huber in tolerances per anchor [P]: x = Δℓ/tol costs x² within |x| ≤ knee, then 2·knee·|x| − knee² (linear,
+    the same slope at the knee). A change of one tolerance costs 1, both ways (a turn end that rises makes the
+    turn-end token rise at the near-ties around it, seed §6.1); knee = inf is the plain square."""
+    x = dlp / tol
+    if math.isinf(knee):
+        return x ** 2
+    a = x.abs()
+    return torch.where(a <= knee, x ** 2, 2 * knee * a - knee * knee)
 
 
 class _EndOdds:
@@ -210,6 +215,7 @@ class _Objective:
                 gi = {g: i for i, g in enumerate(sorted(set(pb.anchor_group)))}
                 self.an_group = torch.as_tensor([gi[g] for g in pb.anchor_group], device=dev_)
                 self.an_tol = torch.as_tensor(pb.anchor_tol, dtype=torch.float32, device=dev_)
+                self.an_word = torch.as_tensor(pb.word_anchors(), device=dev_)  # [A] bool
         self.odds_an, self.odds_pe, self.an_end_pos = self._end_odds(w, pb, cfg)
         self.leads = self._end_leads(w, pb, cfg)
         self.an_rows = _Rotation(0 if self.lp0_an is None else pb.anchors.P, cfg.anchor_batch, cfg.seed + 1, dev_)
@@ -280,7 +286,9 @@ class _Objective:
         cost of their log-odds (_odds_cost)."""
         pb, a = self.pb, self.an_rows()
         mix = batch_mix(batch_rows(pb.anchors, a), self.w, dW=dW)  # [a, n]
-        cost = soft_anchor(logp_at(mix, self.w, pb.anchors.target[a]) - self.lp0_an[a], self.an_tol[a])  # [a]
+        dlp = logp_at(mix, self.w, pb.anchors.target[a]) - self.lp0_an[a]  # [a]
+        word = self.an_word[a]  # [a] the collateral words' anchors: Huber past the knee; the turn ends: the square
+        cost = torch.where(word, soft_anchor(dlp, self.an_tol[a], self.cfg.anchor_knee), soft_anchor(dlp, self.an_tol[a]))
         if self.an_end_pos is not None:
             pos = self.an_end_pos[a]
             m = pos >= 0

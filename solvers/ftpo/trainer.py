@@ -17,7 +17,8 @@ from l47.model.weights import TailWeights
 from l47.solvers.ftpo.basis import _parameterise
 from l47.solvers.ftpo.config import ODDS, OBJECTIVES, FtpoConfig, FtpoProblem
 from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_END_DLOGP, BIND_ENDS, BIND_FLIPS, BIND_KL, BIND_SPECIAL,
-                                    BIND_WORDS, _Judge, at_target_residuals, next_multiplier, pulling)
+                                    BIND_WORDS, BIND_WORDS_BELOW, _Judge, at_target_residuals, next_multiplier,
+                                    pulling)
 from l47.solvers.ftpo.objective import TERM_MEANING, _Objective, _Rotation, pull_balance
 
 
@@ -184,7 +185,7 @@ class _Trainer:
         self.clean = 0 if tie_bad else self.clean + 1
         obj.lam_flip = next_multiplier(obj.lam_flip, cfg.lambda_flip, tie_bad, self.clean >= cfg.relax_after,
                                        cfg.relax)
-        for term, floor, binds in (("coll", cfg.lambda_coll, (BIND_WORDS, BIND_END_DLOGP)),
+        for term, floor, binds in (("coll", cfg.lambda_coll, (BIND_WORDS, BIND_WORDS_BELOW, BIND_END_DLOGP)),
                                    ("special", cfg.lambda_special, (BIND_SPECIAL,))):  # the held anchors' and the
             t = obj.terms[term]  # special mass's weights follow their bars as the judge reads them, both ways
             t.weight = next_multiplier(t.weight, floor, any(b in bad for b in binds), not bad, cfg.relax)
