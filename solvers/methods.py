@@ -108,7 +108,7 @@ def ftpo_problem(problem: Problem, cfg) -> FtpoProblem:
                        kl_budget=problem.kl_budget.nats, anchors=problem.protected, anchor_group=groups,
                        anchor_tol=tols, turn_ends=n_te, near=problem.near, near_banned=problem.near_banned,
                        dev=problem.dev, dev_final=dev_final, dev_phrase=[e.phrase for e in sel.dev],
-                       dev_rows=problem.dev_rows, word_below=th.collateral_below,
+                       dev_rows=problem.dev_rows, guard=problem.guard, word_below=th.collateral_below,
                        word_frac_below=th.collateral_frac_below, special_tol=th.special_rise_tol, im_end=sel.im_end,
                        im_end_tol=abs(th.im_end_dlogp), dev_kl_limit=th.chat_kld,
                        shipped=lambda dW: problem.ship(dW).W_q)

@@ -95,6 +95,7 @@ class Problem:
     near: Batch | None = None  # near misses: prefix rows whose target is not the banned final (FTPO's tether)
     near_banned: torch.Tensor | None = None  # [N] the banned final token at each near miss
     dev_rows: Batch | None = None  # dev documents away from prefix rows (FTPO's judge: KL and flips)
+    guard: Batch | None = None  # slop events of the background documents (FTPO: Σ p(special) guarded and judged)
 
     @cached_property
     def protected(self) -> Batch | None:
@@ -197,17 +198,18 @@ def pose(plan: SolvePlan, solver: Solver, log: Callable[[str], None]) -> Problem
     if solver.soft_anchors and len(every.anchors) > len(kept.anchors):
         log(f"{solver.name}: every collateral anchor kept as a soft anchor ({len(every.anchors)})")
         sel, an = every, rows((c.doc_sha256, c.pos) for c in every.anchors)
-    dev = near = near_banned = dev_rows = None
+    dev = near = near_banned = dev_rows = guard = None
     if solver.needs_dev:
         dev = rows((e.doc_sha256, e.pos) for e in kept.dev)
         dev_rows = rows(kept.dev_rows)
+        guard = rows((e.doc_sha256, e.pos) for e in kept.guard)
     if solver.tethers and kept.near:
         near = rows((s, r) for s, r, _ in kept.near)
         near_banned = torch.as_tensor([b for _, _, b in kept.near], device=w.device)
     budget = KlBudget(resolve_kl_budget(plan.cfg.kl_budget, plan.exp.thresholds))
     plan = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, kl_budget=budget.nats))  # written resolved
     prob = Problem(plan, solver, sel, kept, choice, ev, terms, an, kept_an, rows(kept.turn_ends), dumps.batch(kept.background),
-                   budget, dev, near, near_banned, dev_rows)
+                   budget, dev, near, near_banned, dev_rows, guard)
     log(describe(prob))
     return prob
 

@@ -13,6 +13,9 @@
                             it did, and the held-out chats' KLD, bar (g), bound the edit) — prefix rows left out
                             (where moving mass off the banned word is the intended effect:
                             l47.dumps.select.prefix_rows, the definition bar (e) reports apart)
+    guard events            slop events that the background documents hold after all (bar (f)'s special mass reads
+                            them as a split of their own: FTPO guards and judges Σ p(special) there, never trains
+                            them to drop)
     dev rows                positions of the dev documents (every row up to FTPO's `kl_rows`) but the phrases'
                             prefix rows — bar (g)'s rows (FTPO: exact KL, flips and
                             turn ends of each candidate, judged, never trained on)
@@ -56,6 +59,8 @@ class Selection:
     near: list[tuple[str, int, int]] = ()  # (doc sha256, row, banned final) of near misses, content order
     dev_rows: list[tuple[str, int]] = ()  # (doc sha256, row) of the dev documents away from prefix rows, strided
     # like the background: FTPO judges its candidates' KL and flips there (bars (g), (f) on the solver's own chats)
+    guard: list = ()  # [EventRecord] slop events found in the background documents: never trained to drop, but
+    # bar (f)'s special mass reads them as one more split (FTPO guards and judges it there too)
 
 
 class ContentOrder:
@@ -171,5 +176,6 @@ def select_positions(report, cfg, policy: SelectionPolicy, where: str | Path, to
     # bar (g)'s rows: every row but the prefix rows (events and near misses, as bar (g) and (e) judge; the near
     # misses' own change is held by the conditional tether)
     dev_rows = without_prefix_rows(background_positions(dev_docs, cap)[0], dev_docs, pts, tokens_of)
+    guard = by_order([e for e in report.events if e.set == "background"])
     return Selection(train, dev, anchors, turn_ends, bg, len(kl_docs), total, stride, special,
-                     None if im_end is None else int(im_end), near, dev_rows)
+                     None if im_end is None else int(im_end), near, dev_rows, guard)

@@ -46,7 +46,8 @@ def world():
                      target_residual=0.5, kl_budget=0.1, anchors=an,
                      anchor_group=["w1"] * 10 + ["w2"] * 10 + [names.IM_END] * 5,
                      anchor_tol=[0.02] * 10 + [0.05] * 10 + [0.005] * 5, turn_ends=5, near=near,
-                     near_banned=(ids[torch.arange(61, 91, 3) + 1] + 1) % 1024, special_tol=1.0)
+                     near_banned=(ids[torch.arange(61, 91, 3) + 1] + 1) % 1024, special_tol=1.0,
+                     guard=mk(list(range(126, 150, 2))))  # slop events of the background documents
     cfg = FtpoConfig(key_rank=0, anchor_batch=0, lambda_shape=0.5, lambda_cond=2.0, flip_margin=50.0,
                      lambda_ridge=0.3, anchor_knee=0.75)  # knee: 9 of the 20 word anchors past it at dW
     group = torch.as_tensor([0 if p == "a" else 1 for p in pb.phrase])
@@ -100,7 +101,8 @@ def test_background_kl_term(world):
 
 def test_special_mass_term(world):
     """special = mean over events of max(Δ log Σ_s p_s, 0) + mean over the step's background rows of
-    max(Δ log Σ_s p_s, 0) (f64 full softmax; rel 1e-4: f32 logits)."""
+    max(Δ log Σ_s p_s, 0) + the same mean over the background documents' slop events (f64 full softmax; rel 1e-4:
+    f32 logits)."""
     w, pb, rows, dW, spec = world["w"], world["pb"], world["rows"], world["dW"], world["spec"]
 
     def mass(b, dW=None):
@@ -108,8 +110,9 @@ def test_special_mass_term(world):
 
     ev = (mass(pb.events, dW).log() - mass(pb.events).log()).clamp_min(0).mean()
     bg = (mass(pb.background, dW).log() - mass(pb.background).log())[rows].clamp_min(0).mean()
-    assert float(ev + bg) > 0
-    assert _cost(world, "special") == pytest.approx(float(ev + bg), rel=1e-4, abs=1e-7)
+    gd = (mass(pb.guard, dW).log() - mass(pb.guard).log()).clamp_min(0).mean()
+    assert float(ev + bg) > 0 and float(gd) > 0.05 * float(ev + bg)  # the guard events' part counts
+    assert _cost(world, "special") == pytest.approx(float(ev + bg + gd), rel=1e-4, abs=1e-7)
 
 
 def test_conditional_tether_term(world):

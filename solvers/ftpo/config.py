@@ -136,6 +136,7 @@ class FtpoProblem:
     # confidence (its upper bound over documents); None: the dev mean within kl_budget
     word_below: float = -0.1  # bar (d)'s per-occurrence threshold, nats (collateral_below) ...
     word_frac_below: float = 0.10  # ... and the share of the words' anchors the judge lets fall below it
+    guard: Batch | None = None  # slop events of the background documents: Σ p(special) guarded and judged there
     special_tol: float = 1e-6  # bar (f)'s allowed rise of the mean Σ p(special) at the events (the judge's)
     im_end: int | None = None  # the turn-end token: the judge counts turn ends (dev rows, anchors) that lose its argmax
     im_end_tol: float = 0.005  # nats of Δlog p(<|im_end|>) that cost λ_coll at a plausible turn end (bar (f)'s)

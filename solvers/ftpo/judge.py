@@ -81,7 +81,7 @@ BIND_ENDS = "bar (f) turn ends"  # a real turn end lost its argmax (dev rows or 
 BIND_WORDS = "bar (d) word mean"  # a collateral word's mean Δlog p over the solver's anchors below −its tolerance
 BIND_WORDS_BELOW = "bar (d) share below"  # more of the words' anchors than bar (d)'s share below its threshold
 BIND_END_DLOGP = "bar (f) turn-end log p"  # the solver's turn ends' mean Δlog p(<|im_end|>) below −its tolerance
-BIND_SPECIAL = "bar (f) special mass"  # Σ p(special) at the train or dev events rose by more than special_tol
+BIND_SPECIAL = "bar (f) special mass"  # Σ p(special) at the train, dev or background events rose > special_tol
 
 
 class _Judge:
@@ -129,6 +129,9 @@ class _Judge:
                 dv = _phrase_residuals(self.dev_p0, np.exp(st_dv.logp_target), pb.dev_phrase)
                 if sets is not None:
                     sp_rise.append(float(np.mean(_special_mass(st_dv) - self.sp_dev0)))
+            if self.obj.guards:  # the background documents' slop events: bar (f)'s split of their own
+                sp_g = self.obj.log_special_at(pb.guard, W_sd=Wq).exp()
+                sp_rise.append(float((sp_g - self.obj.lm0_special_guard.exp()).mean()))
             kl_dev, flips, arg_dev, kl_role, kl_dev_hi = self._dev_rows(Wq)
             ends_lost = self.ends.lost(Wq, arg_dev)
             held, below = self.held.dlogp(Wq)  # group -> mean Δlog p over its anchors; words' share below

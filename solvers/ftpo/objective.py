@@ -208,6 +208,7 @@ class _Objective:
             self.ref_bg = kl_reference(batch_mix(pb.background, w), w)[0]
             self.lm0_special = (self._log_special_mass(self.ref_bg.mix0, self.ref_bg.lse0)
                                 if self.special.numel() else None)  # [B]
+            self.lm0_special_guard = self.log_special_at(pb.guard) if self.guards else None  # [G]
             self.pe_rows, self.lp0_pe, self.notes = self._plausible_ends(w, pb, cfg)
             self.lp0_an = self.an_group = self.an_tol = None
             if pb.anchors is not None and pb.anchors.P:
@@ -295,6 +296,17 @@ class _Objective:
             if bool(m.any()):
                 cost = cost.index_add(0, torch.nonzero(m)[:, 0], self._odds_cost(self.odds_an, mix[m], pos[m]))
         return cost, a
+
+    @property
+    def guards(self) -> bool:
+        """Slop events of the background documents to hold Σ p(special) at (and special tokens to hold)."""
+        return self.pb.guard is not None and self.pb.guard.P > 0 and self.special.numel() > 0
+
+    def log_special_at(self, b: Batch, dW: torch.Tensor | None = None, W_sd: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """log Σ_s p_s per row [P] of a batch under ΔW (or the runtime W_sd), f64."""
+        mix = batch_mix(b, self.w, dW=dW, W_sd=W_sd)  # [P, n]
+        return self._log_special_mass(mix, streamed_lse(mix, self.w))
 
     def _log_special_mass(self, mix: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """log Σ_s p_s per row [B] given the rows' log-sum-exp."""
@@ -385,13 +397,17 @@ class _Objective:
         On the mass itself (ΔΣ p_s / special_rise_tol, 1e-6) its gradient was ~10⁶ the hinge's wherever one event
         rose, Adam's normalised step followed the guard alone and near-certain phrases stalled (zoo 65167 on an
         H100: two at 0.98–1.00 after 1000 steps, the guard cancelling 52–66 % of their pull). Bar (f)'s own figure,
-        the mean mass's rise at the train and dev events, is the judge's (BIND_SPECIAL): λ_special doubles while
+        the mean mass's rise at the train and dev events (and at the slop events the background documents hold:
+        one more term here), is the judge's (BIND_SPECIAL): λ_special doubles while
         a candidate breaks it and comes back down when they hold (the trainer's `control`)."""
         if not self.special.numel():
             return st.mix.new_zeros(())
         rise = F.relu(torch.logsumexp(st.lp["special"], 1) - self.lm0_special_ev)  # [E] nats
-        return (rise.mean()
+        cost = (rise.mean()
                 + F.relu(self._log_special_mass(st.mix_bg, st.lse_bg) - self.lm0_special[st.rows]).mean().float())
+        if self.guards:  # the background documents' own slop events: bar (f) reads them as a split of their own
+            cost = cost + F.relu(self.log_special_at(self.pb.guard, dW=st.dW) - self.lm0_special_guard).mean().float()
+        return cost
 
     def _cond_cost(self, st: Step) -> torch.Tensor:
         """λ_shape × the conditional tether KL at events (the freed mass's shape) + λ_cond × it at near misses (the
