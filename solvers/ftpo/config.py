@@ -54,8 +54,9 @@ class FtpoConfig:
         0.0, 'weight of the conditional tether KL / kl_budget at events (the freed mass spreads as the base '
         'spreads it; 0: off, see docs/SOLVERS.md)')
     lambda_coll: float = knob(
-        4.0, 'weight of the soft anchors ((Δlog p / bar tolerance)², mean per word and turn ends; doubled while a '
-        "judged word's or the turn ends' mean Δlog p over the solver's anchors is past its bar)")
+        4.0, 'weight of the soft anchors ((Δlog p / bar tolerance)², linear past anchor_knee for the words; mean per '
+        "word and turn ends; doubled while a judged word's or the turn ends' mean Δlog p over the solver's anchors, "
+        "or the words' share below bar (d)'s threshold, is past its bar)")
     anchor_knee: float = knob(
         2.0, "soft anchors of the collateral words: the square of Δlog p / tolerance turns linear past this many "
         "tolerances (Huber; inf: the square throughout). Bar (d) asks a word's MEAN and the share of occurrences "
@@ -65,7 +66,7 @@ class FtpoConfig:
         "anchors too (beside collateral_anchor's)")
     lambda_special: float = knob(
         1.0, "weight of the special-token guard (nats of log Σ p(special) risen, mean over the events; doubled while "
-        "the judged mean Σ p(special) at the train or dev events rises past bar (f)'s special_rise_tol)")
+        "the judged mean Σ p(special) at the train, dev or background events rises past bar (f)'s special_rise_tol)")
     lambda_flip: float = knob(
         1.0, "weight of the near-tie guard: (shrink of the special-vs-argmax gap / its base size)², summed (bar "
         "(f)'s flips)")
