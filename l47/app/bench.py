@@ -31,9 +31,7 @@ from l47.fileio import write_text_atomic
 from l47.model.weights import Numerics
 from l47.solvers.batch import EventTerms, batch_mix
 from l47.solvers.estimate import SolveShape, estimate_ftpo, measure_units
-from l47.solvers.ftpo import FtpoConfig, _Judge, _Objective, train_ftpo
-from l47.solvers.ftpo.basis import _parameterise
-from l47.solvers.ftpo.objective import Step, _Rotation
+from l47.solvers.ftpo import FtpoConfig, step_parts, train_ftpo
 from l47.solvers.wfld import WfldConfig, solve_wfld
 from l47.tail import fused, stream
 from l47.tail.forward import DEFAULT_CHUNK, head_stats, paired_stats
@@ -196,43 +194,6 @@ def _now(dev: str) -> float:
     return time.perf_counter()
 
 
-def ftpo_step_parts(w, pb, cfg, steps: int = 3) -> dict:
-    """Seconds of each part of `steps` FTPO steps (the trainer's _Objective, Step and _Judge at λ = lambda_kl):
-    forward (the events' forward and every term but the background rows' pass), kl (the step's background rows:
-    tail and one vocabulary pass), backward, judge (one exact evaluation; per step: ÷ eval_every); each part the
-    best of the steps (as `timed`: another process's load only adds; the first step also warms up), and the setup
-    (parameterisation, base quantities)."""
-    dev = str(w.device)
-    ph = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
-    group = torch.as_tensor([ph[p] for p in pb.phrase], device=w.device)
-    t0 = _now(dev)
-    param, dW_of, _ = _parameterise(w, pb, cfg, group)
-    obj = _Objective(w, pb, cfg, group)
-    judge = _Judge(w, pb, obj)
-    setup = _now(dev) - t0
-    rot, runs = _Rotation(pb.background.P, cfg.background_batch, cfg.seed, w.device), []
-    obj.terms["kl_step"].weight = cfg.lambda_kl
-    for _ in range(steps):
-        param.grad = None
-        t = [_now(dev)]
-        st = Step(obj, dW_of(param), rot())
-        t.append(_now(dev))
-        st.lse_bg  # noqa: B018 - the background rows' tail and vocabulary pass (cached for the terms)
-        t.append(_now(dev))
-        cost = {k: obj.terms[k].cost(st) for k in obj.EVAL_ORDER}
-        loss = sum(obj.terms[k].weighted(cost[k] if k in cost else obj.terms[k].cost(st)) for k in obj.SUM_ORDER)
-        t.append(_now(dev))
-        loss.backward()
-        t.append(_now(dev))
-        runs.append({"forward": t[1] - t[0] + t[3] - t[2], "kl": t[2] - t[1], "backward": t[4] - t[3]})
-    t0 = _now(dev)
-    judge(steps, dW_of(param.detach()), cfg.lambda_kl)
-    judge_s = _now(dev) - t0
-    per = {k: min(r[k] for r in runs) for k in ("forward", "kl", "backward")}  # best of the steps: load only adds
-    return {"per_step": per | {"judge": judge_s / max(cfg.eval_every, 1)}, "judge_eval_s": judge_s,
-            "setup_s": setup, "steps": steps, "first_step": runs[0]}
-
-
 def ftpo_trainer_step(w, pb, cfg, steps: int) -> dict:
     """The real trainer (train_ftpo) for `steps` steps: seconds per step from its progress reports (the wall time
     between its first and last exact evaluations ÷ the steps between them: every part, the judge amortised)."""
@@ -247,7 +208,7 @@ def ftpo_trainer_step(w, pb, cfg, steps: int) -> dict:
 
 def bench_ftpo(dims: dict, device: str, counts=None, steps: int = 3, trainer_steps: int = 0) -> dict:
     """FTPO's step at `dims` on synthetic weights (bench_common.synthetic_ftpo_problem): the parts measured
-    (ftpo_step_parts), the estimator's parts for the same problem and machine, and with trainer_steps > 0 the
+    (solvers.ftpo.step_parts), the estimator's parts for the same problem and machine, and with trainer_steps > 0 the
     real trainer's per-step time."""
     import dataclasses
 
@@ -258,7 +219,7 @@ def bench_ftpo(dims: dict, device: str, counts=None, steps: int = 3, trainer_ste
     pb = synthetic_ftpo_problem(w, c)
     cfg = FtpoConfig()
     base = reset_peak(device)
-    parts = ftpo_step_parts(w, pb, cfg, steps)
+    parts = step_parts(w, pb, cfg, steps, clock=lambda: _now(str(w.device)))
     held = peak(device) - base
     units = measure_units(w)
     shape = SolveShape(V=w.V, events=c.events, background=c.background, anchors=c.anchors, turn_ends=c.anchors // 4,

@@ -72,10 +72,11 @@ from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_END_DLOGP, BIND_ENDS, BIND
 from l47.solvers.ftpo.objective import (_EndLeads, _EndOdds, _NearTies, _Objective, _Rotation, _Tether,
                                         conditional_kl, log_odds, needed_drop, per_group_mean, soft_anchor,
                                         special_word_pairs, target_hinge)
-from l47.solvers.ftpo.trainer import STOP_TARGET, FtpoResult, _Adam, phrase_stops, residual_trend, train_ftpo
+from l47.solvers.ftpo.trainer import (STOP_TARGET, FtpoResult, _Adam, phrase_groups, phrase_stops, residual_trend,
+                                      step_parts, train_ftpo)
 
 __all__ = ["BIND_DEV_KL", "BIND_END_DLOGP", "BIND_ENDS", "BIND_SPECIAL", "BIND_WORDS", "BIND_WORDS_BELOW", "BIND_FLIPS", "BIND_KL", "STOP_TARGET", "next_multiplier", "phrase_stops",
-           "residual_trend", "OBJECTIVES", "SCALE_CAP", "FtpoConfig", "FtpoProblem", "FtpoResult", "GapBasis", "at_target_residuals",
+           "residual_trend", "step_parts", "phrase_groups", "OBJECTIVES", "SCALE_CAP", "FtpoConfig", "FtpoProblem", "FtpoResult", "GapBasis", "at_target_residuals",
            "background_scales", "candidate_key", "conditional_kl", "gap_basis", "gap_jacobians", "key_basis",
            "log_odds", "needed_drop", "off_span", "per_group_mean", "project_out", "pulling", "ratio_upper",
            "removal_score", "soft_anchor", "special_word_pairs", "target_hinge", "train_ftpo", "turn_end_basis",

@@ -353,7 +353,11 @@ class _Objective:
     def __call__(self, dW: torch.Tensor, rows: torch.Tensor, lam: float) -> tuple[torch.Tensor, dict]:
         """(loss, its parts as floats) at ΔW [n, f] with the background rows `rows` [m]; λ = `lam`."""
         self.terms["kl_step"].weight = lam
-        st = Step(self, dW, rows)
+        return self.loss(Step(self, dW, rows))
+
+    def loss(self, st: Step) -> tuple[torch.Tensor, dict]:
+        """(loss, its parts as floats) of a step's forward: the terms' costs (EVAL_ORDER first), weighted and summed
+        in SUM_ORDER."""
         cost = {k: self.terms[k].cost(st) for k in self.EVAL_ORDER}
         loss = None
         for k in self.SUM_ORDER:

@@ -19,7 +19,7 @@ from l47.solvers.ftpo.config import ODDS, OBJECTIVES, FtpoConfig, FtpoProblem
 from l47.solvers.ftpo.judge import (BIND_DEV_KL, BIND_END_DLOGP, BIND_ENDS, BIND_FLIPS, BIND_KL, BIND_SPECIAL,
                                     BIND_WORDS, BIND_WORDS_BELOW, _Judge, at_target_residuals, next_multiplier,
                                     pulling)
-from l47.solvers.ftpo.objective import TERM_MEANING, _Objective, _Rotation, pull_balance
+from l47.solvers.ftpo.objective import TERM_MEANING, Step, _Objective, _Rotation, pull_balance
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,46 @@ class _Adam:
         return out
 
 
+def phrase_groups(pb: FtpoProblem, device) -> torch.Tensor:
+    """[E] each event's phrase as an index into the sorted phrases."""
+    ids = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
+    return torch.as_tensor([ids[p] for p in pb.phrase], device=device)
+
+
+def step_parts(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig, steps: int = 3, clock=time.perf_counter) -> dict:
+    """Seconds of each part of `steps` steps of the trainer's own objective (λ = lambda_kl) and of one exact
+    evaluation, for `l47 bench --what ftpo`: forward (the events' forward and every term but the background rows'
+    pass), kl (the step's background rows: tail and one vocabulary pass), backward, judge (one evaluation; per step:
+    ÷ eval_every); each part the best of the steps (another process's load only adds; the first step also warms
+    up), and the setup (parameterisation, base quantities). `clock`: seconds, synchronising the device."""
+    t0 = clock()
+    group = phrase_groups(pb, w.device)
+    param, dW_of, _ = _parameterise(w, pb, cfg, group)
+    obj = _Objective(w, pb, cfg, group)
+    judge = _Judge(w, pb, obj)
+    setup = clock() - t0
+    rot, runs = _Rotation(pb.background.P, cfg.background_batch, cfg.seed, w.device), []
+    obj.terms["kl_step"].weight = cfg.lambda_kl
+    for _ in range(steps):
+        param.grad = None
+        t = [clock()]
+        st = Step(obj, dW_of(param), rot())
+        t.append(clock())
+        st.lse_bg  # noqa: B018 - the background rows' tail and vocabulary pass (cached for the terms)
+        t.append(clock())
+        loss, _ = obj.loss(st)
+        t.append(clock())
+        loss.backward()
+        t.append(clock())
+        runs.append({"forward": t[1] - t[0] + t[3] - t[2], "kl": t[2] - t[1], "backward": t[4] - t[3]})
+    t0 = clock()
+    judge(steps, dW_of(param.detach()), cfg.lambda_kl)
+    judge_s = clock() - t0
+    per = {k: min(r[k] for r in runs) for k in ("forward", "kl", "backward")}
+    return {"per_step": per | {"judge": judge_s / max(cfg.eval_every, 1)}, "judge_eval_s": judge_s,
+            "setup_s": setup, "steps": steps, "first_step": runs[0]}
+
+
 def train_ftpo(w: TailWeights, pb: FtpoProblem, cfg: FtpoConfig = FtpoConfig(), progress=None) -> FtpoResult:
     """Minimise L(ΔW) (the package docstring) by Adam with a floor; keep the best dev candidate within the
     KL budget. Steps: parameterise ΔW -> base quantities -> the loop (`_Trainer.run`) -> the kept candidate."""
@@ -113,8 +153,7 @@ class _Trainer:
         self.w, self.pb, self.cfg, self.progress = w, pb, cfg, progress
         self.t_start = time.monotonic()
         torch.manual_seed(cfg.seed)
-        ph_ids = {p: i for i, p in enumerate(sorted(set(pb.phrase)))}
-        ev_group = torch.as_tensor([ph_ids[p] for p in pb.phrase], device=w.device)
+        ev_group = phrase_groups(pb, w.device)
         self.param, self.dW_of, self.pnotes = _parameterise(w, pb, cfg, ev_group)
         self.obj = _Objective(w, pb, cfg, ev_group)
         self.judge = _Judge(w, pb, self.obj)
