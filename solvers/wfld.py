@@ -472,6 +472,9 @@ def _gn_step(pb: _Problem, m: Metric, st: _State, c: tuple, row: dict, log) -> s
                     f"{phi:.4g}, linear model {phi_lin:.4g}): radius {st.radius:.3g}")
             if st.radius < TR_MIN:
                 row["line_search"] = dict(merit_before=phi0, merit_after=phi, radius=r_old)
+                if over_budget:  # what meeting every row from here would cost, in the same linear and KL models
+                    row["linear_least_kl"] = linear_least_kl(lin, m.Hh, m.inverse_diag(pb.cfg.bg_weight * st.curv),
+                                                             m.gam, m.alp, st.curv)
                 return rec.STOP_BUDGET if over_budget else rec.STOP_LINE_SEARCH
         row["line_search"] = dict(merit_before=phi0, merit_after=phi, radius=r_old)
         if honest:
@@ -522,6 +525,21 @@ def tr_qp_step(lin: Linearised, Hh: torch.Tensor, D: torch.Tensor, radius: float
     new_lin = (lin.Gh * (Yhat @ lin.Hrow.T).T).sum(1).cpu().numpy()  # [m]
     clipped = theta < 1.0 or (bool(((vals - bounds) > move + 1e-12).any()) and 0.5 * radius < max_step)
     return Yhat, new_lin, clipped or bool((np.abs(new_lin - cur) >= (1 - 1e-6) * radius).any())
+
+
+def linear_least_kl(lin: Linearised, Hh: torch.Tensor, D: torch.Tensor, gam: torch.Tensor, alp: torch.Tensor,
+                    curv: float) -> float:
+    """The modelled background KL (nats) of the point that meets EVERY linearised row at its real bound with the
+    least objective (no trust region, no continuation): the budget's lower bound in the step's own models.
+        Ŷ* = argmin ½ ‖Ŷ‖²_M  s.t.  ⟨A_i, Ŷ⟩ ≤ bound_i − vals_i + cur_i  (M = diag(1/D), D [n, f'] = M⁻¹)
+           = −D ⊙ (Ĝᵀ diag(μ) Ĥ),  μ = argmin_{μ ≥ 0} ½ μᵀ K μ + μᵀ (bound − vals + cur)   [n, f'], [m]
+        KL* = c · ½ Σ_ab γ_a α_b Ŷ*_ab²   (the KL model: K-FAC quadratic × its fitted scale c = curv)
+    Precision: f64 (the dual by solvers/qp.py). Shapes as in `Linearised`; gam [n], alp [f']."""
+    K = _dual_gram(lin.Gh, Hh, D, lin.evr)  # [m, m]
+    mu = torch.as_tensor(_nnls_dual(K, lin.bounds - lin.vals + lin.cur), dtype=torch.float64,
+                         device=lin.Gh.device)  # [m]
+    Y = -D * (lin.Gh.T @ (mu[:, None] * lin.Hrow))  # [n, f']
+    return curv * 0.5 * float((gam[:, None] * alp[None, :] * Y.pow(2)).sum())
 
 
 def _worst_error(exact: np.ndarray, pred: np.ndarray, kinds: list[str]) -> dict:
@@ -582,7 +600,8 @@ def _result(pb: _Problem, metric: Metric | None, keep: tuple, iters: list[dict],
     violation, residual, dW, worst, kl_exact, kl_pred, it, kl_shipped = keep
     notes = list(pb.warnings)
     if stop == rec.STOP_BUDGET and violation > pb.cfg.gn_tol:
-        notes.append(budget_note(pb.budget.nats, it, (kl_exact, kl_shipped), violation, pb.cfg.gn_tol))
+        notes.append(budget_note(pb.budget.nats, it, (kl_exact, kl_shipped), violation, pb.cfg.gn_tol,
+                                 iters[-1].get("linear_least_kl")))
     if violation > pb.cfg.gn_tol and stop == rec.STOP_CONVERGED:
         stop = rec.STOP_ITERATION_CAP
     if stop == rec.STOP_ITERATION_CAP and len(iters) > 1 and iters[-1]["violation"] > violation:
@@ -595,12 +614,17 @@ def _result(pb: _Problem, metric: Metric | None, keep: tuple, iters: list[dict],
                       shipped_bg_kl=kl_shipped, warnings=notes)
 
 
-def budget_note(budget: float, it: int, kls: tuple[float, float | None], violation: float, tol: float) -> str:
+def budget_note(budget: float, it: int, kls: tuple[float, float | None], violation: float, tol: float,
+                needed: float | None = None) -> str:
     """The record note of a solve stopped by the KL budget (the "convergence:" prefix: evals/audit.py); `kls` the
-    returned iterate's exact background KL of the float ΔW and as shipped (None: not measured)."""
+    returned iterate's exact background KL of the float ΔW and as shipped (None: not measured); `needed` the
+    modelled KL of meeting every linearised row from the last iterate (`linear_least_kl`; None: not measured)."""
     kl, ks = kls
     shipped = "" if ks is None else f", as shipped {ks:.3g}"
+    need = "" if needed is None else (
+        f"; meeting every constraint from the last iterate needs a background KL of {needed:.3g} nats in WFLD's "
+        f"linear and KL models ({needed / budget:.3g}× the budget; an estimate from the linearisation at that iterate)")
     return (f"convergence: WFLD stopped at the background KL budget {budget:.3g} nats: no trust-region step from "
             f"Gauss–Newton iterate {it} (exact background KL {kl:.3g} nats{shipped}; returned) lowered the max "
             f"violation ({violation:.3g} nats > tolerance {tol:g}) within it; the constraints are not met within the "
-            "budget")
+            f"budget{need}")

@@ -212,3 +212,25 @@ def test_kl_budget_is_judged_on_the_weights_as_shipped(setup):
     assert kl < 0.6 * budget  # the float ΔW alone would have been allowed further (KL ≈ (1.5)⁻² of the shipped)
     assert res.shipped_bg_kl == pytest.approx(kl_ship, abs=1e-7) and res.exact_bg_kl == pytest.approx(kl, abs=1e-7)
     assert all(it["kl_shipped"] is None or it["kl_shipped"] <= budget for it in res.iterations)
+
+
+def test_linear_least_kl_matches_a_dense_qp(setup):
+    """linear_least_kl (the budget note's figure) against the same QP written out densely and solved by scipy's
+    SLSQP in the primal (f64): min ½ yᵀ diag(1/D) y s.t. C y ≤ bound − vals (C_i = Ĝ_i ⊗ Ĥ_i, linearised at 0),
+    then c·½ Σ γα y². Tolerance 1e-3 relative (SLSQP's ftol 1e-14 on a convex QP of n·f' unknowns); every row
+    met at the reference's point."""
+    pb, c, Gh, Hrow, D, _, _, _, m, cur = _step(setup, 1.0)
+    vals, _, bounds, evr, _, _ = c
+    curv = 1.7
+    got = wf.linear_least_kl(wf.Linearised(Gh, Hrow, evr, vals, bounds, cur), m.Hh, D, m.gam, m.alp, curv)
+    C = torch.einsum("ia,ib->iab", Gh, Hrow).reshape(len(vals), -1).numpy()  # [m, n f']
+    d = D.reshape(-1).numpy()
+    r = scipy.optimize.minimize(lambda y: (0.5 * y @ (y / d), y / d), np.zeros(C.shape[1]), jac=True,
+                                method="SLSQP", constraints=[dict(type="ineq", fun=lambda y: (bounds - vals) - C @ y,
+                                                                  jac=lambda y: -C)],
+                                options=dict(maxiter=500, ftol=1e-14))
+    y = r.x
+    assert (C @ y <= bounds - vals + 1e-6).all()
+    ga = (m.gam[:, None] * m.alp[None, :]).reshape(-1).numpy()
+    ref = curv * 0.5 * float((ga * y * y).sum())
+    assert ref > 0 and got == pytest.approx(ref, rel=1e-3)
