@@ -189,7 +189,7 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
     from l47.dumps.select import SPLITS
     from l47.errors import L47Error
     from l47.evals.audit import AuditArgs, run_audit
-    from l47.solvers.solve import SolveArgs, run_plan, run_solve
+    from l47.solvers.solve import SolveArgs, plan_json, run_plan, run_solve
 
     from l47.data.sets import load_sets_report
     from l47.fileio import write_text_atomic
@@ -226,21 +226,26 @@ def run_model(spec: ModelSpec, out: Path, methods: tuple[str, ...], opts: BenchO
         mdir.mkdir(parents=True, exist_ok=True)
         bundle = mdir / "bundle.gguf"
         t0 = time.time()
-        res["command"] = m["command"] = f"l47 plan {exp} --sets {sets_json} --method {method}"
+        plan_path = mdir / "plan.json"
+        res["command"] = m["command"] = f"l47 plan {exp} --sets {sets_json} --method {method} --json {plan_path}"
+        plan_arg = None
         try:  # the plan `l47 plan` prints (solvers/solve.py run_plan), before the solve: what it predicts
-            fp, _ = run_plan(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
-                                       device=opts.device))
-            m.update(plan_summary(fp), plan_s=round(time.time() - t0, 1))
+            run = run_plan(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
+                                     device=opts.device))
+            write_text_atomic(plan_path, json.dumps(plan_json(run), sort_keys=True))  # the walk's hand-off
+            plan_arg = plan_path
+            m.update(plan_summary(run.fp), plan_s=round(time.time() - t0, 1))
             log(f"{spec.name}/{method}: plan " + ", ".join(f"{ph} {_f(x['edit_residual'])} ({x['binding']})"
                                                           for ph, x in m["plan"].items()))
         except L47Error as e:
             m.update(plan_error=str(e), plan_s=round(time.time() - t0, 1))
             log(f"{spec.name}/{method}: plan refused: {e}")
         t0 = time.time()
-        res["command"] = m["command"] = f"l47 solve {exp} --sets {sets_json} --method {method} --out {bundle}"
+        res["command"] = m["command"] = (f"l47 solve {exp} --sets {sets_json} --method {method} --out {bundle}"
+                                         + (f" --plan {plan_arg}" if plan_arg else ""))
         try:
             solved = run_solve(SolveArgs(exp, method, bundle, ledger=mdir / "ledger.jsonl", sets_json=sets_json,
-                                         device=opts.device),
+                                         device=opts.device, plan_json=plan_arg),
                                log=lambda s: log(f"{spec.name}/{method}: {s}"),
                                progress=lambda r: log(f"{spec.name}/{method}: {_progress_line(r)}"))
         except L47Error as e:

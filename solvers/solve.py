@@ -4,7 +4,8 @@
               → pose              solvers/problem.py: what the solve touches (select_positions, by the solver's
                                   policy), the anchors within budget (fit_anchors), the layer-L batches and
                                   per-event token terms, the KL budget resolved once -> a frozen Problem
-              → check_feasible    the feasibility plan (solvers/plan.py), stored in the record
+              → plan_for          the feasibility plan (solvers/plan.py: check_feasible), stored in the record, or
+                                  the one `l47 plan --json` made from the same inputs (--plan: reuse_plan)
               → solve_problem     the method's Solver (solvers/methods.py: WFLD or FTPO) -> float ΔW
               → requantize        ΔW -> Q8_0 bytes of the target and their runtime values (what ships)
               → measure           every claimed figure on the re-quantised weights (l47.data.record.SolveClaims)
@@ -33,7 +34,7 @@ from l47.data import record as rec
 from l47.data.experiment import Experiment, config_from_table, load_experiment
 from l47.data.identity import other_model_notes, other_model_stamp
 from l47.data.ledger import Ledger
-from l47.data.sets import SetsReport, build_sets, check_sets_report, load_sets_report
+from l47.data.sets import SetsReport, build_sets, canonical_sha256, check_sets_report, load_sets_report
 from l47.data.thin import thin_phrases
 from l47.dumps import read_dump
 from l47.errors import L47Error
@@ -71,6 +72,7 @@ class SolveArgs:
     allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
     sweep: bool = False  # a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)
     precision: str | None = None  # head GEMM precision (l47.model.weights.head_precision); None: "auto"
+    plan_json: Path | None = None  # reuse the feasibility plan `l47 plan --json` wrote for these inputs (reuse_plan)
 
 
 @dataclass(frozen=True)
@@ -488,10 +490,10 @@ def run_solve(args: SolveArgs, log: Callable[[str], None] | None = None,
         raise L47Error("l47 solve", "--sweep", "l47.solvers.sweep.run_sweep for a sweep", "run_solve")
     plan = plan_solve(args)
     problem = pose(plan, solver_for(plan.cfg.method), log)
-    feas = check_feasible(problem)
-    for line in describe_feasibility(feas):
+    feas, lines = plan_for(problem, args.plan_json)
+    for line in lines:
         log(line)
-    cand = solve_and_measure(problem, feas.to_dict(), log, progress)
+    cand = solve_and_measure(problem, feas, log, progress)
     return write_outputs(problem, cand.shipped, cand.claims)
 
 
@@ -521,11 +523,110 @@ def _stamps(other_model_notes) -> list[str]:
     return [other_model_stamp(len(other_model_notes))] if other_model_notes else []
 
 
-def run_plan(args: SolveArgs, log: Callable[[str], None] | None = None):
-    """`l47 plan`: the steps of `run_solve` up to the feasibility plan; nothing is solved or written. Returns
-    (FeasibilityPlan, AnchorChoice | None)."""
+def run_plan(args: SolveArgs, log: Callable[[str], None] | None = None) -> PlanRun:
+    """`l47 plan`: the steps of `run_solve` up to the feasibility plan; nothing is solved or written."""
     log = log or (lambda _msg: None)
     plan = plan_solve(args)
     problem = pose(plan, solver_for(plan.cfg.method), log)
-    return check_feasible(problem), problem.choice
+    fp = check_feasible(problem)
+    return PlanRun(fp, problem.choice, plan_handoff(problem, fp), problem)
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """What `l47 plan` made: the plan, the anchors it kept, its hand-off to `l47 solve --plan` (plan_handoff) and
+    the posed problem (the solve-time estimate reads it)."""
+    fp: object  # solvers/plan.py FeasibilityPlan
+    choice: object  # AnchorChoice | None
+    handoff: dict
+    problem: Problem
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the plan's hand-off: `l47 plan --json` -> `l47 solve --plan`, so the README walk computes the plan once
+
+PLAN_HANDOFF = "l47.plan-handoff/1"
+
+
+def plan_inputs_of(problem: Problem) -> dict:
+    """What the plan is a function of: the sets report's experiment content (phrases, words, thresholds, every
+    document by its tokens; its hash), the base model (sha256 of its bytes) and the resolved solve config."""
+    plan = problem.plan
+    return {"sets_content_sha256": plan.report.content_sha256, "model_sha256": plan.w.model_sha256,
+            "solver": plan.cfg.to_dict()}
+
+
+def plan_handoff(problem: Problem, fp) -> dict:
+    """The hand-off `l47 plan --json` writes beside its plan (the file's "plan": fp.to_dict()): the plan's inputs and
+    their hash, the lines a solve logs of the plan, and the hash of the plan with those lines (a plan edited by
+    hand is refused, as a sets report is)."""
+    inputs, lines = plan_inputs_of(problem), describe_feasibility(fp)
+    return {"schema": PLAN_HANDOFF, "inputs": inputs, "inputs_sha256": canonical_sha256(inputs), "solve_log": lines,
+            "body_sha256": canonical_sha256({"plan": fp.to_dict(), "solve_log": lines})}
+
+
+def plan_json(run: PlanRun, estimate: dict | None = None) -> dict:
+    """The JSON `l47 plan --json` writes: the plan, the anchors kept, the solve-time estimate, the hand-off."""
+    return {"plan": run.fp.to_dict(), "anchors": None if run.choice is None else run.choice.summary(),
+            "estimate": estimate, "handoff": run.handoff}
+
+
+def _input_changes(old: dict, new: dict) -> list[str]:
+    """What differs between two plan_inputs_of, in words."""
+    out = [f"{k} {str(old.get(k))[:12]}… -> {str(new.get(k))[:12]}…"
+           for k in ("sets_content_sha256", "model_sha256") if old.get(k) != new.get(k)]
+    a, b = old.get("solver") or {}, new.get("solver") or {}
+
+    def flat(d: dict, pre: str = "") -> dict:
+        return {k2: v2 for k, v in d.items()
+                for k2, v2 in (flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(pre + k, v)])}
+    fa, fb = flat(a), flat(b)
+    return out + [f"solver {k}: {fa.get(k)} -> {fb.get(k)}" for k in sorted(set(fa) | set(fb))
+                  if fa.get(k) != fb.get(k)]
+
+
+def load_plan_handoff(path) -> tuple[dict, dict]:
+    """(the plan, its hand-off) of a `l47 plan --json` file, checked whole (schema, both hashes); L47Error naming
+    the field."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise L47Error(path, "--plan", "the JSON `l47 plan --json` wrote for these inputs", "no such file")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise L47Error(path, "plan", "a JSON file written by `l47 plan --json`", str(e)) from None
+    h = d.get("handoff") if isinstance(d, dict) else None
+    if not isinstance(h, dict) or h.get("schema") != PLAN_HANDOFF:
+        raise L47Error(path, "handoff.schema", f"{PLAN_HANDOFF} (a plan written by this l47: re-run `l47 plan --json`)",
+                       repr(None if not isinstance(h, dict) else h.get("schema")))
+    if (canonical_sha256({"plan": d.get("plan"), "solve_log": h.get("solve_log")}) != h.get("body_sha256")
+            or canonical_sha256(h.get("inputs")) != h.get("inputs_sha256")):
+        raise L47Error(path, "handoff.body_sha256", "a plan hashing to the hashes written with it",
+                       "other hashes (edited after it was written)")
+    return d["plan"], h
+
+
+def reuse_plan(path, problem: Problem) -> tuple[dict, list[str]]:
+    """(the feasibility plan as the record keeps it, the lines a solve logs of it) from `l47 plan --json` at `path`,
+    refused (L47Error, one line naming both hashes and what changed) unless it was made from this problem's inputs."""
+    fp, h = load_plan_handoff(path)
+    mine = plan_inputs_of(problem)
+    sha = canonical_sha256(mine)
+    if sha != h["inputs_sha256"]:
+        ch = _input_changes(h["inputs"], mine)
+        raise L47Error(path, "handoff.inputs_sha256", f"{sha[:16]}… (the plan of this solve's inputs)",
+                       f"{h['inputs_sha256'][:16]}… (a plan of other inputs: " + "; ".join(ch[:3])
+                       + (f" (+{len(ch) - 3} more)" if len(ch) > 3 else "") + "; re-run `l47 plan --json`)")
+    return fp, [*h["solve_log"], f"plan: reused from {path} (made from these inputs)"]
+
+
+def plan_for(problem: Problem, plan_json) -> tuple[dict, list[str]]:
+    """The solve's feasibility plan (its record form) and its log lines: reused from `plan_json` when given, else
+    computed here."""
+    if plan_json is not None:
+        return reuse_plan(plan_json, problem)
+    fp = check_feasible(problem)
+    return fp.to_dict(), describe_feasibility(fp)
 

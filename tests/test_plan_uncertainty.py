@@ -42,8 +42,8 @@ def planned(world, tmp_path_factory):
     from l47.solvers.solve import SolveArgs, run_plan
 
     exp = _variant(world, "plan_twodev", {"dev": [world["paths"]["heldout_b"].name]}, drop=("heldout_b",))
-    fp, _ = run_plan(SolveArgs(experiment=exp, method="wfld", out=Path("/nonexistent/plan-only.gguf"),
-                               model=world["base"]))
+    fp = run_plan(SolveArgs(experiment=exp, method="wfld", out=Path("/nonexistent/plan-only.gguf"),
+                            model=world["base"])).fp
     heldout_b = str(world["paths"]["heldout_b"])
     ref = {"train": {}, "dev": {}}
     for e in world["sets"].events:

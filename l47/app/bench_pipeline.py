@@ -62,7 +62,7 @@ from l47.model.gguf_io import copy_with_tensor_replaced, open_gguf
 from l47.model.vocab import vocab_from_gguf, vocab_qwen36, vocab_to_gguf_kv
 from l47.model.weights import load_tail_weights
 from l47.solvers.methods import solver_for
-from l47.solvers.solve import DEFAULT_METHOD, SolveArgs, run_solve
+from l47.solvers.solve import DEFAULT_METHOD, SolveArgs, plan_json, run_solve
 from l47.tail.forward import full_logits, tail_mix
 from l47.testing.synth import SynthDims, synth_dump_arrays, write_synth_gguf
 
@@ -508,19 +508,24 @@ def _event_p(report) -> dict | None:
 
 def _steps(method: str, runs: Path, world: dict, exp: Path, device: str, res: dict, clock, seen: list):
     """(stage, thunk) in order: sets, plan (what `l47 plan` does, with its solve-time estimate), solve, audit."""
-    def args():
+    def args(plan_json=None):
         return SolveArgs(exp, method, runs / "bundle.gguf", device=device, ledger=runs / "ledger.jsonl",
-                         sets_json=res["sets_json"])
+                         sets_json=res["sets_json"], plan_json=plan_json)
 
     def sets():
         rep = build_sets(exp, device=device)
         res["sets_json"] = write_sets_json(rep, runs / "sets.json")
         return rep
 
+    def plan():  # `l47 plan --json plan.json`: the solve reuses it (`l47 solve --plan plan.json`), as the walk does
+        run, est = plan_and_estimate(args(), clock("plan"))
+        write_text_atomic(runs / "plan.json", json.dumps(plan_json(run, estimate_dict(est)), sort_keys=True))
+        return run, est
+
     return (
         ("sets", sets),
-        ("plan", lambda: plan_and_estimate(args(), clock("plan"))),
-        ("solve", lambda: run_solve(args(), log=clock("solve"), progress=seen.append)),
+        ("plan", plan),
+        ("solve", lambda: run_solve(args(runs / "plan.json"), log=clock("solve"), progress=seen.append)),
         ("audit", lambda: run_audit(AuditArgs(runs / "bundle.gguf", Path(world["model"]), exp, runs / "audit",
                                               ledger=runs / "ledger.jsonl", device=device, plots=False),
                                     progress=_set_done(clock("audit")))),
@@ -578,7 +583,7 @@ def _figures(size, device, method, world, reused: bool, stages, res) -> dict:
         "events": None if report is None else report.counts("events"), "event_p": _event_p(report),
         "refused_docs": None if report is None else sum(1 for d in report.docs if d.refused),
         "stages": stages, "total_s": sum(v["wall_s"] for v in stages.values()),
-        "estimate": None if planned is None else estimate_dict(planned[2]),
+        "estimate": None if planned is None else estimate_dict(planned[1]),
         "steps": None if conv is None else conv.iterations, "stop_reason": None if conv is None else conv.stop_reason,
         "ftpo_step": _ftpo_steps(res["progress"]),
         "head_precision": None if solved is None else solved.record.numerics,

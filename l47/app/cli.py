@@ -352,6 +352,8 @@ def solve(
     model: Optional[Path] = typer.Option(None, "--model"),
     overlay: bool = typer.Option(False, help="write an overlay (the shared-expert writers) instead of a full GGUF"),
     sets_json: Optional[Path] = typer.Option(None, "--sets", help="reuse a `l47 sets --json` report"),
+    plan_json: Optional[Path] = typer.Option(None, "--plan", help="reuse the plan `l47 plan --json` wrote for these "
+                                             "inputs (refused when made from others)"),
     ledger: Optional[Path] = typer.Option(None, help="scoring ledger (default: the base model's, "
                                           "$L47_HOME/ledgers/<base sha256>.jsonl)"),
     device: str = typer.Option("cpu"),
@@ -372,7 +374,7 @@ def solve(
     from l47.solvers.solve import SolveArgs
 
     args = SolveArgs(experiment, method, out, model, overlay, device, ledger, sets_json,
-                     allow_other_model=allow_other_model, sweep=sweep, precision=precision)
+                     allow_other_model=allow_other_model, sweep=sweep, precision=precision, plan_json=plan_json)
     check_solve(args, force, json_out)
     with json_to_stdout(json_out, console) as target:
         res = solve_and_print(args, console)
@@ -418,11 +420,12 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
     import json
 
     from l47.app.estimate_view import estimate_dict, estimate_lines, plan_and_estimate
-    from l47.solvers.solve import SolveArgs
+    from l47.solvers.solve import SolveArgs, plan_json
 
-    fp, choice, est = plan_and_estimate(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model,
-                                                  False, device, None, sets_json),
-                                        log=lambda m: console.print(m, highlight=False))
+    run, est = plan_and_estimate(SolveArgs(experiment, method, Path("/nonexistent/plan-only.gguf"), model,
+                                           False, device, None, sets_json),
+                                 log=lambda m: console.print(m, highlight=False))
+    fp, choice = run.fp, run.choice
     bound = "soft anchors (ftpo)" if fp.anchors_soft else "exact anchors (wfld)"  # the experiment's method
     t = Table(title=f"plan: target residual {fp.target:g}, KL budget {fp.kl_budget:.3g} nats; {bound}")
     # the first-order bound (needed vs reachable log-odds, its residual) beside the plan's edit checked exactly (its
@@ -458,9 +461,7 @@ def _plan(experiment, model, sets_json, json_out, device, method=None) -> bool:
     for line in estimate_lines(est):
         console.print(line, highlight=False)
     if json_out:
-        write_text_atomic(json_out, json.dumps({"plan": fp.to_dict(),
-                                                "anchors": None if choice is None else choice.summary(),
-                                                "estimate": estimate_dict(est)}, indent=1, sort_keys=True))
+        write_text_atomic(json_out, json.dumps(plan_json(run, estimate_dict(est)), indent=1, sort_keys=True))
     return bool(fp.short)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from l47.solvers.estimate import estimate_solve
-from l47.solvers.solve import check_feasible, plan_solve, pose, solver_for
+from l47.solvers.solve import run_plan
 
 
 def human(seconds: float) -> str:
@@ -31,13 +31,10 @@ def estimate_lines(est) -> list[str]:
 
 
 def plan_and_estimate(args, log):
-    """`l47 plan`'s work: solvers/solve.py `run_plan`'s steps (plan_solve → pose → check_feasible), then the
-    solve-time estimate of the posed problem on this machine. Returns (FeasibilityPlan, AnchorChoice | None,
-    Estimate)."""
-
-    plan = plan_solve(args)
-    problem = pose(plan, solver_for(plan.cfg.method), log)
-    return check_feasible(problem), problem.choice, estimate_solve(problem)
+    """`l47 plan`'s work: solvers/solve.py `run_plan` (plan_solve → pose → check_feasible → its hand-off), then the
+    solve-time estimate of the posed problem on this machine. Returns (PlanRun, Estimate)."""
+    run = run_plan(args, log)
+    return run, estimate_solve(run.problem)
 
 
 def estimate_dict(est) -> dict:

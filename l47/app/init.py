@@ -198,8 +198,8 @@ def next_commands(model: str, kld: tuple[str, ...]) -> list[str]:
     cmds += [f"l47 dump texts/{s}.jsonl --model {model} --out dumps/{s}" for s in TEXT_SETS]
     cmds += [f"l47 dump texts/kld_{d}.jsonl --model {model} --out dumps/kld_{d}" for d in kld]
     cmds += ["l47 sets experiment.toml --json sets.json",
-             "l47 plan experiment.toml --sets sets.json",
-             "l47 solve experiment.toml --sets sets.json --out bundle.gguf",
+             "l47 plan experiment.toml --sets sets.json --json plan.json",
+             "l47 solve experiment.toml --sets sets.json --plan plan.json --out bundle.gguf",
              f"l47 audit bundle.gguf --base {model} --experiment experiment.toml --out audit",
              f"l47 audit bundle.gguf --base {model} --experiment experiment.toml --out audit-blind "
              "--blind dumps/blind/*.safetensors --dev-report audit/report.json"]

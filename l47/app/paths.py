@@ -104,7 +104,7 @@ def _is_solve_record(path: Path) -> bool:
 
 def _is_plan_json(path: Path) -> bool:
     d = _json_schema(path)
-    return d is not None and isinstance(d.get("plan"), dict) and set(d) <= {"plan", "anchors"}
+    return d is not None and isinstance(d.get("plan"), dict) and set(d) <= {"plan", "anchors", "estimate", "handoff"}
 
 
 def _is_sweep_tsv(path: Path) -> bool:
@@ -363,8 +363,16 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
 
         # a bad or stale sets report fails now, not after the model is loaded
         check_sets_report(load_sets_report(args.sets_json), exp, args.sets_json)
+    if args.plan_json is not None:
+        if args.sweep:
+            raise L47Error("l47 solve", "--plan", "no --sweep (each sweep candidate is planned under its own config)",
+                           "--plan with --sweep")
+        if Path(args.plan_json).exists():  # a file that is no plan fails now; of these inputs? after pose. A missing
+            from l47.solvers.solve import load_plan_handoff  # one after the thin-phrase check: the plan refused
+
+            load_plan_handoff(args.plan_json)
     model = args.model or exp.model
-    ins = experiment_inputs(exp) + [(model, "base model"), (args.sets_json, "sets report")]
+    ins = experiment_inputs(exp) + [(model, "base model"), (args.sets_json, "sets report"), (args.plan_json, "plan")]
     out = Path(args.out)
     size = (_overlay_nbytes(model) if args.overlay else file_size(model)) \
         if model is not None and Path(model).is_file() else 0

@@ -307,12 +307,17 @@ def content_view(content: dict, view: str = HANDOFF_SETS) -> dict:
             "sets": {s: v for s, v in (content.get("sets") or {}).items() if s in SOLVER_SETS}}
 
 
-def content_sha256(content: dict, view: str = HANDOFF_SETS) -> str:
-    """sha256 of the canonical JSON of the view (sorted keys, no spaces)."""
+def canonical_sha256(obj) -> str:
+    """sha256 of obj's canonical JSON (sorted keys, no spaces, UTF-8): the one hash of every hand-off's content."""
     import hashlib
 
-    text = json.dumps(content_view(content, view), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def content_sha256(content: dict, view: str = HANDOFF_SETS) -> str:
+    """sha256 of the canonical JSON of the view (canonical_sha256)."""
+    return canonical_sha256(content_view(content, view))
 
 
 def content_changes(old: dict, new: dict, view: str = HANDOFF_SETS) -> list[str]:
