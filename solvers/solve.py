@@ -5,7 +5,7 @@
                                   policy), the anchors within budget (fit_anchors), the layer-L batches and
                                   per-event token terms, the KL budget resolved once -> a frozen Problem
               → plan_for          the feasibility plan (solvers/plan.py: check_feasible), stored in the record, or
-                                  the one `l47 plan --json` made from the same inputs (--plan: reuse_plan)
+                                  the one `l47 plan --json` made from the same inputs (--plan: check_plan_handoff)
               → solve_problem     the method's Solver (solvers/methods.py: WFLD or FTPO) -> float ΔW
               → requantize        ΔW -> Q8_0 bytes of the target and their runtime values (what ships)
               → measure           every claimed figure on the re-quantised weights (l47.data.record.SolveClaims)
@@ -49,7 +49,7 @@ from l47.solvers.ftpo import FtpoConfig
 from l47.solvers.knobs import KNOB, Knob, knob, knob_of, ranges
 from l47.solvers.methods import METHODS, solver_for  # noqa: F401 (METHODS: re-exported for l47 init)
 from l47.solvers.plan import BINDING_EVENTS, PlanInputs, feasibility
-from l47.solvers.problem import Problem, Shipped, Solution, pose
+from l47.solvers.problem import Problem, Shipped, Solution, pose, resolve_kl_budget
 from l47.solvers.select import SOLVER_SETS, Selection
 from l47.solvers.wfld import WfldConfig
 from l47.tail.forward import head_stats, paired_stats
@@ -72,7 +72,7 @@ class SolveArgs:
     allow_other_model: bool = False  # use dumps of another model (each one noted in the solve record)
     sweep: bool = False  # a small grid of candidates judged on dev, the chosen one written (solvers/sweep.py)
     precision: str | None = None  # head GEMM precision (l47.model.weights.head_precision); None: "auto"
-    plan_json: Path | None = None  # reuse the feasibility plan `l47 plan --json` wrote for these inputs (reuse_plan)
+    plan_json: Path | None = None  # the plan `l47 plan --json` wrote for these inputs (check_plan_handoff; with sets_json)
 
 
 @dataclass(frozen=True)
@@ -209,6 +209,8 @@ class SolvePlan:
 def plan_solve(args: SolveArgs) -> SolvePlan:
     """Load and check every input before any solving: model, output path, config, target type, sets report."""
     exp = load_experiment(args.experiment)
+    if args.plan_json is not None and not args.sets_json:
+        raise L47Error("l47 solve", "--plan", "--sets too (the sets report the plan was made from)", "no --sets")
     given = load_sets_report(args.sets_json) if args.sets_json else None
     if given is not None:  # made from these inputs? (token hashes only: before the model is read)
         check_sets_report(given, exp, args.sets_json)
@@ -232,6 +234,8 @@ def plan_solve(args: SolveArgs) -> SolvePlan:
                        f"{given.model_sha256[:16]}… (a sets report of another model: {given.model})")
     report = build_sets(exp, w, device=args.device, ledger=ledger, command="solve") if built else given
     refuse_thin(exp, report)
+    if args.plan_json is not None:  # a plan of other inputs is refused before anything is written
+        check_plan_handoff(args.plan_json, handoff_inputs(args, exp, report, w.model_sha256))
     ledger.append([d.sha256 for d in report.docs if d.set in SOLVER_SETS and not d.refused and d.sha256],
                   w.model_sha256, "solve")
     return SolvePlan(args, exp, Path(model), out, cfg, base_g, w, report, built, DumpCache(report, w, args.allow_other_model),
@@ -548,19 +552,43 @@ class PlanRun:
 PLAN_HANDOFF = "l47.plan-handoff/1"
 
 
-def plan_inputs_of(problem: Problem) -> dict:
-    """What the plan is a function of: the sets report's experiment content (phrases, words, thresholds, every
-    document by its tokens; its hash), the base model (sha256 of its bytes) and the resolved solve config."""
-    plan = problem.plan
-    return {"sets_content_sha256": plan.report.content_sha256, "model_sha256": plan.w.model_sha256,
-            "solver": plan.cfg.to_dict()}
+def plan_code_sha256() -> str:
+    """sha256 of the source of the packages the plan's figures come from (model, tail, data, solvers): a plan made
+    by other code is not reused (the version string does not move with every commit). Once per process."""
+    global _PLAN_CODE
+    if _PLAN_CODE is None:
+        import hashlib
+        import importlib
+
+        h = hashlib.sha256()
+        for pkg in ("l47.model", "l47.tail", "l47.data", "l47.solvers", "l47.solvers.ftpo"):
+            for f in sorted(Path(importlib.import_module(pkg).__file__).parent.glob("*.py")):
+                h.update(f"{pkg}/{f.name}\0".encode() + f.read_bytes())
+        _PLAN_CODE = h.hexdigest()
+    return _PLAN_CODE
+
+
+_PLAN_CODE: str | None = None
+
+
+def handoff_inputs(args: SolveArgs, exp: Experiment, report: SetsReport, model_sha256: str) -> dict:
+    """What the plan is a function of: the sets report (its content, which hashes the experiment's, and its
+    events, p_base, refusals and split), the base model (sha256 of its bytes), the solve config with its KL budget
+    resolved, the head's device type and precision, and the code (plan_code_sha256)."""
+    cfg = resolve_config(exp.solver, args.method, str(exp.path))
+    cfg = dataclasses.replace(cfg, kl_budget=resolve_kl_budget(cfg.kl_budget, exp.thresholds))  # as `pose` does
+    return {"sets_report_sha256": canonical_sha256(report.to_dict()), "model_sha256": model_sha256,
+            "solver": cfg.to_dict(), "head": {"device": torch.device(args.device).type,
+                                              "precision": args.precision or "auto"},
+            "code_sha256": plan_code_sha256()}
 
 
 def plan_handoff(problem: Problem, fp) -> dict:
     """The hand-off `l47 plan --json` writes beside its plan (the file's "plan": fp.to_dict()): the plan's inputs and
     their hash, the lines a solve logs of the plan, and the hash of the plan with those lines (a plan edited by
     hand is refused, as a sets report is)."""
-    inputs, lines = plan_inputs_of(problem), describe_feasibility(fp)
+    plan = problem.plan
+    inputs, lines = handoff_inputs(plan.args, plan.exp, plan.report, plan.w.model_sha256), describe_feasibility(fp)
     return {"schema": PLAN_HANDOFF, "inputs": inputs, "inputs_sha256": canonical_sha256(inputs), "solve_log": lines,
             "body_sha256": canonical_sha256({"plan": fp.to_dict(), "solve_log": lines})}
 
@@ -571,20 +599,6 @@ def plan_json(run: PlanRun, estimate: dict | None = None) -> dict:
             "estimate": estimate, "handoff": run.handoff}
 
 
-def _input_changes(old: dict, new: dict) -> list[str]:
-    """What differs between two plan_inputs_of, in words."""
-    out = [f"{k} {str(old.get(k))[:12]}… -> {str(new.get(k))[:12]}…"
-           for k in ("sets_content_sha256", "model_sha256") if old.get(k) != new.get(k)]
-    a, b = old.get("solver") or {}, new.get("solver") or {}
-
-    def flat(d: dict, pre: str = "") -> dict:
-        return {k2: v2 for k, v in d.items()
-                for k2, v2 in (flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(pre + k, v)])}
-    fa, fb = flat(a), flat(b)
-    return out + [f"solver {k}: {fa.get(k)} -> {fb.get(k)}" for k in sorted(set(fa) | set(fb))
-                  if fa.get(k) != fb.get(k)]
-
-
 def load_plan_handoff(path) -> tuple[dict, dict]:
     """(the plan, its hand-off) of a `l47 plan --json` file, checked whole (schema, both hashes); L47Error naming
     the field."""
@@ -592,7 +606,8 @@ def load_plan_handoff(path) -> tuple[dict, dict]:
 
     path = Path(path)
     if not path.is_file():
-        raise L47Error(path, "--plan", "the JSON `l47 plan --json` wrote for these inputs", "no such file")
+        raise L47Error(path, "--plan", "the JSON `l47 plan --json` wrote for these inputs",
+                       "a directory" if path.is_dir() else "no such file")
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -601,21 +616,22 @@ def load_plan_handoff(path) -> tuple[dict, dict]:
     if not isinstance(h, dict) or h.get("schema") != PLAN_HANDOFF:
         raise L47Error(path, "handoff.schema", f"{PLAN_HANDOFF} (a plan written by this l47: re-run `l47 plan --json`)",
                        repr(None if not isinstance(h, dict) else h.get("schema")))
-    if (canonical_sha256({"plan": d.get("plan"), "solve_log": h.get("solve_log")}) != h.get("body_sha256")
-            or canonical_sha256(h.get("inputs")) != h.get("inputs_sha256")):
+    if (not isinstance(h.get("inputs"), dict) or canonical_sha256(h["inputs"]) != h.get("inputs_sha256")
+            or canonical_sha256({"plan": d.get("plan"), "solve_log": h.get("solve_log")}) != h.get("body_sha256")):
         raise L47Error(path, "handoff.body_sha256", "a plan hashing to the hashes written with it",
                        "other hashes (edited after it was written)")
     return d["plan"], h
 
 
-def reuse_plan(path, problem: Problem) -> tuple[dict, list[str]]:
+def check_plan_handoff(path, inputs: dict) -> tuple[dict, list[str]]:
     """(the feasibility plan as the record keeps it, the lines a solve logs of it) from `l47 plan --json` at `path`,
-    refused (L47Error, one line naming both hashes and what changed) unless it was made from this problem's inputs."""
+    refused (L47Error, one line naming both hashes and what changed) unless made from `inputs` (handoff_inputs)."""
     fp, h = load_plan_handoff(path)
-    mine = plan_inputs_of(problem)
-    sha = canonical_sha256(mine)
+    sha = canonical_sha256(inputs)
     if sha != h["inputs_sha256"]:
-        ch = _input_changes(h["inputs"], mine)
+        old, new = dict(rec.flat_items(h["inputs"])), dict(rec.flat_items(inputs))
+        ch = [f"{'.'.join(k)}: {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new))
+              if old.get(k) != new.get(k)]
         raise L47Error(path, "handoff.inputs_sha256", f"{sha[:16]}… (the plan of this solve's inputs)",
                        f"{h['inputs_sha256'][:16]}… (a plan of other inputs: " + "; ".join(ch[:3])
                        + (f" (+{len(ch) - 3} more)" if len(ch) > 3 else "") + "; re-run `l47 plan --json`)")
@@ -623,10 +639,10 @@ def reuse_plan(path, problem: Problem) -> tuple[dict, list[str]]:
 
 
 def plan_for(problem: Problem, plan_json) -> tuple[dict, list[str]]:
-    """The solve's feasibility plan (its record form) and its log lines: reused from `plan_json` when given, else
-    computed here."""
+    """The solve's feasibility plan (its record form) and its log lines: the one `l47 plan --json` wrote when
+    `plan_json` is given (checked against this problem's inputs), else computed here."""
     if plan_json is not None:
-        return reuse_plan(plan_json, problem)
+        plan = problem.plan
+        return check_plan_handoff(plan_json, handoff_inputs(plan.args, plan.exp, plan.report, plan.w.model_sha256))
     fp = check_feasible(problem)
     return fp.to_dict(), describe_feasibility(fp)
-

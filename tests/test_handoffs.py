@@ -294,19 +294,25 @@ def _canonical_sha(obj) -> str:
 
 @pytest.fixture(scope="module")
 def planned(hw, tmp_path_factory):
-    """The plan of det.toml as JSON, a solve that reuses it and one that plans for itself (both defaults)."""
+    """The plan of det.toml as JSON, a solve that reuses it (with the plan's own computation made to fail: it must
+    not run) and one that plans for itself (both defaults)."""
+    import l47.solvers.solve as solve_mod
+
     root, out = hw["root"], tmp_path_factory.mktemp("planned")
     base = ["--sets", str(root / "sets.json")]
     r = CliRunner().invoke(app, ["plan", str(root / "det.toml"), *base, "--json", str(out / "plan.json")])
     assert r.exit_code in (0, 1) and (out / "plan.json").is_file(), r.output
     runs = {}
     for name, extra in (("reused", ["--plan", str(out / "plan.json")]), ("fresh", [])):
-        r = CliRunner().invoke(app, ["solve", str(root / "det.toml"), *base, *extra, "--out", str(out / f"{name}.gguf"),
-                                     "--ledger", str(out / f"{name}.jsonl")])
+        with pytest.MonkeyPatch.context() as mp:
+            if extra:
+                mp.setattr(solve_mod, "check_feasible", lambda *_a, **_k: pytest.fail("the plan was recomputed"))
+            r = CliRunner().invoke(app, ["solve", str(root / "det.toml"), *base, *extra,
+                                         "--out", str(out / f"{name}.gguf"), "--ledger", str(out / f"{name}.jsonl")])
         assert r.exit_code == 0, r.output
         runs[name] = r.output
     return {"dir": out, "plan": json.loads((out / "plan.json").read_text()), "runs": runs,
-            "sets_sha": json.loads((root / "sets.json").read_text())["content_sha256"]}
+            "sets": json.loads((root / "sets.json").read_text())}
 
 
 def test_solve_reuses_the_plan_and_writes_the_same_bytes(planned):
@@ -321,27 +327,34 @@ def test_solve_reuses_the_plan_and_writes_the_same_bytes(planned):
     h = plan["handoff"]
     assert h["inputs_sha256"] == _canonical_sha(h["inputs"])
     assert h["body_sha256"] == _canonical_sha({"plan": plan["plan"], "solve_log": h["solve_log"]})
-    assert h["inputs"]["sets_content_sha256"] == planned["sets_sha"]
+    assert h["inputs"]["sets_report_sha256"] == _canonical_sha(planned["sets"])  # the report as `l47 sets` wrote it
+    assert h["inputs"]["solver"]["method"] == "ftpo" and h["inputs"]["head"] == {"device": "cpu", "precision": "auto"}
     assert "reused from" in planned["runs"]["reused"] and "reused from" not in planned["runs"]["fresh"]
     for line in h["solve_log"]:  # the lines a fresh solve logs of its own plan, word for word
         assert " ".join(line.split()) in " ".join(planned["runs"]["fresh"].split())
 
 
 def test_plan_of_other_inputs_or_edited_is_refused(hw, planned, tmp_path):
-    """A plan made under another solver config, one edited by hand, a missing one and --plan with --sweep: exit 2,
-    one line naming the plan file, nothing written."""
+    """A plan reused under another solver config or method, one edited by hand, a missing one, --plan without
+    --sets or with --sweep: exit 2, one line naming the plan file, nothing written (the ledger included)."""
     root, d = hw["root"], planned["dir"]
     exp = root / "v_solver_target.toml"  # beside det.toml (its paths are relative): the same content, another solver
     exp.write_text((root / "det.toml").read_text() + "\n[solver]\ntarget_residual = 0.3\n")
-    argv = ["--sets", str(root / "sets.json"), "--out", str(tmp_path / "b.gguf"), "--ledger", str(d / "x.jsonl")]
-    line = _refused(hw, tmp_path, ["solve", str(exp), "--plan", str(d / "plan.json"), *argv])
-    mine = planned["plan"]["handoff"]["inputs_sha256"]
-    assert str(d / "plan.json") in line and mine[:16] in line and "target_residual: 0.2 -> 0.3" in line, line
+    sets = ["--sets", str(root / "sets.json")]
+    argv = ["--out", str(tmp_path / "b.gguf"), "--ledger", str(tmp_path / "ledger.jsonl")]
+    theirs = planned["plan"]["handoff"]["inputs_sha256"]
+    line = _refused(hw, tmp_path, ["solve", str(exp), *sets, "--plan", str(d / "plan.json"), *argv])
+    assert str(d / "plan.json") in line and theirs[:16] in line and "solver.target_residual: 0.2 -> 0.3" in line, line
+    det = str(root / "det.toml")
+    line = _refused(hw, tmp_path, ["solve", det, *sets, "--method", "wfld", "--plan", str(d / "plan.json"), *argv])
+    assert theirs[:16] in line and "solver.method: ftpo -> wfld" in line, line
     edited = dict(planned["plan"], plan={**planned["plan"]["plan"], "target": 0.5})
     (d / "edited.json").write_text(json.dumps(edited))
-    line = _refused(hw, tmp_path, ["solve", str(root / "det.toml"), "--plan", str(d / "edited.json"), *argv])
+    line = _refused(hw, tmp_path, ["solve", det, *sets, "--plan", str(d / "edited.json"), *argv])
     assert str(d / "edited.json") in line and "edited after it was written" in line, line
-    line = _refused(hw, tmp_path, ["solve", str(root / "det.toml"), "--plan", str(d / "none.json"), *argv])
+    line = _refused(hw, tmp_path, ["solve", det, *sets, "--plan", str(d / "none.json"), *argv])
     assert str(d / "none.json") in line and "no such file" in line, line
-    line = _refused(hw, tmp_path, ["solve", str(root / "det.toml"), "--plan", str(d / "plan.json"), "--sweep", *argv])
+    line = _refused(hw, tmp_path, ["solve", det, "--plan", str(d / "plan.json"), *argv])
+    assert "--plan" in line and "--sets" in line, line
+    line = _refused(hw, tmp_path, ["solve", det, *sets, "--plan", str(d / "plan.json"), "--sweep", *argv])
     assert "--plan" in line and "--sweep" in line, line

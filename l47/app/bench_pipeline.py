@@ -21,9 +21,10 @@ The world (built once into a work folder, reused when it is already there; its b
     offset drawn from a bisection-calibrated sample (p(target) ~ U(0.05, 0.9), so CE ~ 1 nat, not ln V).
     Dumps are written unverified (no ref_* arrays: no engine ran), provenance "written".
 
-Timed (each after a fresh peak-memory mark): sets (`build_sets` + the JSON), plan (what `l47 plan` does: the
-feasibility plan and the solve-time estimate for this machine, l47/app/estimate_view.py), solve (`run_solve`,
-reusing the sets JSON), audit (`run_audit`, no plots). Peak memory: host VmHWM above the stage's start, and on
+Timed (each after a fresh peak-memory mark): sets (`build_sets` + the JSON), plan (what `l47 plan --json` does:
+the feasibility plan, its hand-off and the solve-time estimate for this machine, l47/app/estimate_view.py), solve
+(`run_solve` reusing the sets JSON and the plan's hand-off, as the README walk does: since 2026-12-08 the solve
+stage no longer contains a second plan, ~11 s at the real size before), audit (`run_audit`, no plots). Peak memory: host VmHWM above the stage's start, and on
 CUDA max_memory_allocated above the stage's start. FTPO: the step count and stop reason (the record's
 convergence), the trainer's measured seconds per step (from its progress reports, one per exact evaluation) beside
 the plan's estimate by part (forward, KL, backward, judge). Also reported: the head precision the solve used, and

@@ -363,15 +363,9 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
 
         # a bad or stale sets report fails now, not after the model is loaded
         check_sets_report(load_sets_report(args.sets_json), exp, args.sets_json)
-    if args.plan_json is not None:
-        if args.sweep:
-            raise L47Error("l47 solve", "--plan", "no --sweep (each sweep candidate is planned under its own config)",
-                           "--plan with --sweep")
-        if Path(args.plan_json).exists():  # a file that is no plan fails now; of these inputs? after pose. A missing
-            from l47.solvers.solve import load_plan_handoff  # one after the thin-phrase check: the plan refused
-
-            load_plan_handoff(args.plan_json)
     model = args.model or exp.model
+    if args.plan_json is not None:
+        _check_plan_handoff(args, exp, model)
     ins = experiment_inputs(exp) + [(model, "base model"), (args.sets_json, "sets report"), (args.plan_json, "plan")]
     out = Path(args.out)
     size = (_overlay_nbytes(model) if args.overlay else file_size(model)) \
@@ -387,6 +381,23 @@ def check_solve(args, force=False, json_out=None) -> list[str]:
         outs += [Output(png, SWEEP_PNG, "--out (its sweep plot)"), Output(tsv, SWEEP_TSV, "--out (its sweep table)")]
     check_outputs(outs, ins, force=force)
     return _models(exp, model, args.allow_other_model)
+
+
+def _check_plan_handoff(args, exp, model) -> None:
+    """`l47 solve --plan P` before the model is read: no --sweep, --sets given, and P made from these inputs (a
+    missing P is reported after the thin-phrase check: `l47 plan` refuses a thin phrase and writes no plan)."""
+    from l47.data.sets import load_sets_report
+    from l47.model.gguf_io import open_gguf
+    from l47.solvers.solve import check_plan_handoff, handoff_inputs
+
+    if args.sweep:
+        raise L47Error("l47 solve", "--plan", "no --sweep (each sweep candidate is planned under its own config)",
+                       "--plan with --sweep")
+    if args.sets_json is None:
+        raise L47Error("l47 solve", "--plan", "--sets too (the sets report the plan was made from)", "no --sets")
+    if Path(args.plan_json).exists() and model is not None and Path(model).is_file():
+        check_plan_handoff(args.plan_json, handoff_inputs(args, exp, load_sets_report(args.sets_json),
+                                                       open_gguf(model).sha256()))
 
 
 def check_plan(experiment, json_out, model, sets_json, force=False) -> None:

@@ -116,7 +116,7 @@ class SolveClaims:
     def flat(self) -> Iterator[tuple[tuple[str, ...], object]]:
         """(path, value) of every filled leaf, e.g. (("train_p_rejected", "per_phrase_after", "short version"),
         0.8): the path is field names (and phrase / method keys), in field order; None fields are skipped."""
-        yield from _flat(self, ())
+        yield from flat_items(self)
 
     @staticmethod
     def from_dict(d: dict | None) -> "SolveClaims":
@@ -129,15 +129,16 @@ class SolveClaims:
         return SolveClaims(**d)
 
 
-def _flat(o, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], object]]:
+def flat_items(o, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], object]]:
+    """(path, value) of every leaf of nested dicts and dataclasses (None skipped)."""
     if o is None:
         return
     if isinstance(o, dict):
         for k, v in o.items():
-            yield from _flat(v, path + (str(k),))
+            yield from flat_items(v, path + (str(k),))
     elif hasattr(o, "__dataclass_fields__"):
         for f in fields(o):
-            yield from _flat(getattr(o, f.name), path + (f.name,))
+            yield from flat_items(getattr(o, f.name), path + (f.name,))
     else:
         yield path, o
 
